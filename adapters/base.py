@@ -1,0 +1,94 @@
+"""Plain data shared by the adapters, and the `ChatFamily` contract each family fulfils."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def openai_dict(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallIn:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str  # system | user | assistant | tool ("developer" arrives here as "system")
+    content: str | None
+    tool_calls: tuple[ToolCallIn, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolGroup:
+    """The cacheable head of every prompt: the leading system text and the tools, canonically ordered."""
+
+    system: str | None
+    tools: tuple[ToolSpec, ...] = field(default=())
+
+    @classmethod
+    def of(cls, system: str | None, tools: list[ToolSpec] | tuple[ToolSpec, ...]) -> ToolGroup:
+        return cls(system=system, tools=tuple(sorted(tools, key=lambda t: t.name)))
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tools)
+
+    @property
+    def group_id(self) -> str:
+        """Human-facing id for logs, metrics and listings (not the cache key)."""
+        blob = json.dumps([self.system, [t.openai_dict() for t in self.tools]], ensure_ascii=False)
+        return "tg_" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    text: str
+    prefix_chars: int  # text[:prefix_chars] is the tool group; 0 when it cannot be cut safely
+    group: ToolGroup
+
+
+class ChatFamily(ABC):
+    """What differs between model families: how tools and tool turns are written, how calls look."""
+
+    name: str
+    tool_parser: str
+
+    @abstractmethod
+    def tools_block(self, tools: tuple[ToolSpec, ...]) -> str:
+        """Text appended to the system message when the model's own template drops tools."""
+
+    @abstractmethod
+    def assistant_text(self, message: ChatMessage) -> str:
+        """An assistant turn with tool calls, written as the model would have written it."""
+
+    @abstractmethod
+    def tool_result_text(self, message: ChatMessage) -> str:
+        """A tool result, written as the model expects to read it (as a user turn)."""
+
+    @abstractmethod
+    def call_opening(self, function_name: str | None) -> str:
+        """The text that opens a call (of `function_name`, if given), to force one."""
+
+    default_template: str | None = None  # used when the tokenizer has no chat template

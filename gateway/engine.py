@@ -1,0 +1,245 @@
+"""The engine: the one owner of the model and the prefix store. A worker thread takes jobs from a
+bounded queue, so the event loop never blocks on torch.
+
+Per job: look the prefix up (RAM, then compute); a miss computes the prefix KV once, stores it,
+and then runs exactly the hit path, so a hit and a miss produce bitwise-identical output. A
+bypass runs a plain full prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.store import PrefixStore
+from gateway.sampling import Sampler, SamplingParams, TextStream
+
+log = logging.getLogger(__name__)
+
+CacheResult = Literal["hit", "miss", "bypass", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    prompt_tokens: int
+    cached_tokens: int
+    result: CacheResult
+    tier: str | None
+    restore_s: float
+    compile_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: Literal["stop", "length"]
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+
+
+EngineEvent = Prefilled | TextDelta | Finished | Failed
+
+
+@dataclass(slots=True)
+class Job:
+    prompt_ids: list[int]
+    prefix_len: int  # tokens of the tool group; 0 when there is none
+    params: SamplingParams
+    emit: Callable[[EngineEvent], None]  # must be thread-safe
+    use_cache: bool = True
+    salt: str = ""
+    group_id: str = ""
+    tool_names: tuple[str, ...] = ()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
+                 *, min_prefix_tokens: int, max_queue: int, device: torch.device) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.identity = identity
+        self.min_prefix_tokens = min_prefix_tokens
+        self.device = device
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
+        self.busy = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._jobs.qsize()
+
+    def key_for(self, prefix_ids: list[int], salt: str = "") -> PrefixKey:
+        identity = self.identity if not salt else CacheIdentity(
+            self.identity.model_fingerprint, self.identity.tokenizer_fingerprint,
+            self.identity.adapter_version, salt)
+        return PrefixKey.of(identity, prefix_ids)
+
+    # ---- worker ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            self.busy = True
+            try:
+                with torch.inference_mode():
+                    self._generate(job)
+            except Exception as exc:  # one request fails, never the engine
+                log.exception("generation failed")
+                job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self.busy = False
+
+    def _generate(self, job: Job) -> None:
+        logits, cache, prefilled = self._prefill(job)
+        job.emit(prefilled)
+        self._decode(job, logits, cache)
+
+    def _prefill(self, job: Job) -> tuple[torch.Tensor, Any, Prefilled]:
+        started = time.perf_counter()
+        if not job.use_cache:
+            return self._plain_prefill(job, "bypass", started)
+        if job.prefix_len < self.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
+            return self._plain_prefill(job, "skip", started)
+        key = self.key_for(job.prompt_ids[: job.prefix_len], job.salt)
+        found = self.store.lookup(key)
+        compile_s, result, tier = 0.0, "hit", None
+        if found is None:
+            entry = self.compile_prefix(key, job.group_id, job.tool_names)
+            compile_s, result = entry.compile_s, "miss"
+        else:
+            entry, tier = found.entry, found.tier
+            entry.touch()
+        self.store.lock(entry)
+        try:
+            restore_started = time.perf_counter()
+            cache = self.restore(entry)
+            restore_s = time.perf_counter() - restore_started
+            logits = self._forward(job.prompt_ids[job.prefix_len :], cache)
+        finally:
+            self.store.unlock(entry)
+        prefilled = Prefilled(len(job.prompt_ids), job.prefix_len, result, tier,  # type: ignore[arg-type]
+                              restore_s, compile_s, time.perf_counter() - started)
+        return logits, cache, prefilled
+
+    def _plain_prefill(self, job: Job, result: CacheResult, started: float) -> tuple[torch.Tensor, Any, Prefilled]:
+        cache = self.new_cache()
+        logits = self._forward(job.prompt_ids, cache)
+        return logits, cache, Prefilled(len(job.prompt_ids), 0, result, None, 0.0, 0.0,
+                                        time.perf_counter() - started)
+
+    def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
+        """Compute the prefix KV once and store it (callable from the worker thread only)."""
+        started = time.perf_counter()
+        cache = self.new_cache()
+        self._forward(list(key.token_ids), cache)
+        layers = tuple(
+            LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None))
+            for layer in cache.layers
+        )
+        entry = CacheEntry(key=key, layers=layers, group_id=group_id, tool_names=tool_names,
+                           compile_s=time.perf_counter() - started)
+        self.store.insert(entry)
+        return entry
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def restore(self, entry: CacheEntry) -> Any:
+        """A cache holding the entry's tensors by reference: no copy. Later updates concatenate
+        into new tensors, so the stored ones are never written."""
+        cache = self.new_cache()
+        for layer, stored in zip(cache.layers, entry.layers, strict=True):
+            layer.lazy_initialization(stored.keys, stored.values)
+            layer.keys, layer.values = stored.keys, stored.values
+            if stored.cumulative_length is not None:
+                layer.cumulative_length = stored.cumulative_length
+        return cache
+
+    def _forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _decode(self, job: Job, logits: torch.Tensor, cache: Any) -> None:
+        sampler = Sampler(job.params)
+        stream = TextStream(self.tokenizer, job.params.stop)
+        for count in range(1, job.params.max_tokens + 1):
+            if job.cancelled.is_set():
+                return
+            token = sampler.next_token(logits)
+            if token in self.eos_ids:
+                self._finish(job, stream, "stop", count - 1)
+                return
+            delta = stream.push(token)
+            if delta:
+                job.emit(TextDelta(delta))
+            if stream.stopped:
+                job.emit(Finished("stop", count))
+                return
+            if count < job.params.max_tokens:
+                logits = self._forward([token], cache)
+        self._finish(job, stream, "length", job.params.max_tokens)
+
+    def _finish(self, job: Job, stream: TextStream, reason: Literal["stop", "length"], count: int) -> None:
+        rest = stream.flush()
+        if rest:
+            job.emit(TextDelta(rest))
+        job.emit(Finished(reason, count))
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    vocab = tokenizer.get_vocab()
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eom_id|>"):
+        if token in vocab:
+            ids.add(vocab[token])
+    return frozenset(ids)

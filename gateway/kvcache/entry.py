@@ -1,0 +1,48 @@
+"""A cached prefix: its per-layer KV tensors plus what is needed to verify and list it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gateway.kvcache.keys import PrefixKey
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    keys: torch.Tensor  # [batch=1, kv_heads, seq, head_dim]
+    values: torch.Tensor
+    cumulative_length: int | None = None  # sliding-window layers track the tokens seen
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    key: PrefixKey
+    layers: tuple[LayerKV, ...]
+    group_id: str
+    tool_names: tuple[str, ...]
+    compile_s: float = 0.0
+    created_at: float = field(default_factory=time.time)
+    last_used_at: float = field(default_factory=time.time)
+    hits: int = 0
+    num_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_bytes:
+            self.num_bytes = sum(
+                t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values)
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key.token_ids)
+
+    def matches(self, key: PrefixKey) -> bool:
+        """Digest and the exact token ids must both agree (a digest alone is not trusted)."""
+        return self.key.digest == key.digest and self.key.token_ids == key.token_ids
+
+    def touch(self) -> None:
+        self.hits += 1
+        self.last_used_at = time.time()

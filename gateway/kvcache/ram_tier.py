@@ -1,0 +1,99 @@
+"""RAM tier: LRU under a byte budget. An entry that is locked (in use by a request) is never evicted."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gateway.kvcache.entry import CacheEntry
+from gateway.kvcache.keys import PrefixKey
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    digest: str
+    num_bytes: int
+
+
+class RamTier:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
+        self._locks: dict[str, int] = {}
+        self._mutex = threading.Lock()
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, key: PrefixKey) -> CacheEntry | None:
+        """The entry for `key`, marked most recently used; None if absent or not an exact match."""
+        with self._mutex:
+            entry = self._entries.get(key.digest)
+            if entry is None or not entry.matches(key):
+                return None
+            self._entries.move_to_end(key.digest)
+            return entry
+
+    def can_insert(self, entry: CacheEntry) -> bool:
+        return entry.num_bytes <= self.budget_bytes
+
+    def insert(self, entry: CacheEntry) -> list[Eviction]:
+        """Store `entry` as most recently used, evicting unlocked LRU entries to fit the budget."""
+        with self._mutex:
+            if not self.can_insert(entry):
+                return []
+            self._remove(entry.key.digest)
+            evicted = self._evict_for(entry.num_bytes)
+            if self.num_bytes + entry.num_bytes > self.budget_bytes:
+                return evicted  # everything left is locked; the entry is used once, not kept
+            self._entries[entry.key.digest] = entry
+            self.num_bytes += entry.num_bytes
+            return evicted
+
+    def lock(self, digest: str) -> None:
+        with self._mutex:
+            self._locks[digest] = self._locks.get(digest, 0) + 1
+
+    def unlock(self, digest: str) -> None:
+        with self._mutex:
+            count = self._locks.get(digest, 0) - 1
+            if count > 0:
+                self._locks[digest] = count
+            else:
+                self._locks.pop(digest, None)
+
+    def remove(self, digest: str) -> bool:
+        with self._mutex:
+            return self._remove(digest)
+
+    def clear(self) -> int:
+        with self._mutex:
+            digests = [d for d in self._entries if d not in self._locks]
+            for digest in digests:
+                self._remove(digest)
+            return len(digests)
+
+    def entries(self) -> list[CacheEntry]:
+        """Entries, least recently used first."""
+        with self._mutex:
+            return list(self._entries.values())
+
+    def _evict_for(self, incoming_bytes: int) -> list[Eviction]:
+        evicted: list[Eviction] = []
+        for digest in list(self._entries):
+            if self.num_bytes + incoming_bytes <= self.budget_bytes:
+                break
+            if digest in self._locks:
+                continue
+            evicted.append(Eviction(digest, self._entries[digest].num_bytes))
+            self._remove(digest)
+        return evicted
+
+    def _remove(self, digest: str) -> bool:
+        entry = self._entries.pop(digest, None)
+        if entry is None:
+            return False
+        self.num_bytes -= entry.num_bytes
+        return True

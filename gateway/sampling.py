@@ -1,0 +1,93 @@
+"""Next-token choice (greedy, or temperature + top-p with an optional seed) and the text stream
+that turns tokens into text deltas while watching for stop sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """`logits`: [vocab] for the last position."""
+        if self.params.temperature < GREEDY_BELOW:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            probs = _top_p(probs, self.params.top_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p  # always keeps the top token
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return filtered / filtered.sum()
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class TextStream:
+    """Accumulates generated tokens; yields only text that is final (complete characters, and not
+    possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears."""
+
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...]) -> None:
+        self.decoder = decoder
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.emitted_chars = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        text = self.decoder.decode(self.token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        end = self._stop_at(text)
+        if end is not None:
+            self.stopped = True
+            return self._take(text, end)
+        return self._take(text, len(text) - self.holdback)
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        text = self.decoder.decode(self.token_ids, skip_special_tokens=True)
+        return self._take(text, len(text))
+
+    def _stop_at(self, text: str) -> int | None:
+        start = max(0, self.emitted_chars - self.holdback)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _take(self, text: str, end: int) -> str:
+        if end <= self.emitted_chars:
+            return ""
+        delta = text[self.emitted_chars : end]
+        self.emitted_chars = end
+        return delta

