@@ -1,0 +1,186 @@
+"""The HTTP layer: FastAPI routes, the OpenAI error envelope, and the app's lifespan (background
+model load, engine start/stop). Everything the app owns hangs on `app.state`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import protocol
+from gateway.errors import APIError, BadRequest, ModelLoadFailed, ModelLoading, ModelNotFound, PayloadTooLarge
+from gateway.metrics import Metrics
+from gateway.protocol import ChatCompletionRequest
+from gateway.runtime import Runtime, build_runtime
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BYPASS_HEADER = "x-toolkv-cache"
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = threading.Thread(target=_load, args=(app,), name="toolkv-loader", daemon=True)
+        loader.start()
+        yield
+        runtime: Runtime | None = app.state.runtime
+        if runtime is not None:
+            runtime.engine.stop()
+
+    app = FastAPI(title="toolkv", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.runtime = None
+    app.state.load_error = None
+    app.state.started_at = int(time.time())
+    _install_error_handlers(app)
+    _install_routes(app)
+    return app
+
+
+def _load(app: FastAPI) -> None:
+    metrics: Metrics = app.state.metrics
+    metrics.model_loaded.set(0)
+    try:
+        app.state.runtime = build_runtime(app.state.settings, metrics)
+        metrics.model_loaded.set(1)
+    except Exception as exc:  # reported by /health and as 503 on requests
+        log.exception("model load failed")
+        app.state.load_error = str(exc)
+        metrics.model_loaded.set(-1)
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime | None = request.app.state.runtime
+    if runtime is not None:
+        return runtime
+    if request.app.state.load_error:
+        raise ModelLoadFailed(f"the model failed to load: {request.app.state.load_error}")
+    raise ModelLoading("the model is still loading; retry shortly", headers={"Retry-After": "5"})
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state = request.app.state
+        status = "ok" if state.runtime else ("failed" if state.load_error else "loading")
+        body: dict[str, Any] = {"status": status}
+        if state.load_error:
+            body["error"] = state.load_error
+        return JSONResponse(body, status_code=200 if status != "failed" else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        runtime = _runtime(request)
+        return JSONResponse(protocol.model_list(runtime.model_name, request.app.state.started_at))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        runtime = request.app.state.runtime
+        if runtime is not None:
+            runtime.refresh_gauges()
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse_chat_request(request)
+        runtime = _runtime(request)
+        if req.model and req.model not in runtime.model_aliases:
+            raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
+                                f"'{runtime.model_name}'", param="model")
+        bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
+        prepared = runtime.service.prepare(req, bypass=bypass)
+        if not req.stream:
+            return JSONResponse(await runtime.service.complete(prepared))
+        chunks = runtime.service.stream(prepared, req.include_usage)
+        first = await anext(chunks)  # errors before the first byte become plain HTTP errors
+        return EventSourceResponse(_sse(first, chunks), sep="\n", ping=15)
+
+
+async def _parse_chat_request(request: Request) -> ChatCompletionRequest:
+    limit = request.app.state.settings.max_request_bytes
+    body = await request.body()
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the request body is {len(body)} bytes; the limit is {limit}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+async def _sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    yield {"data": orjson.dumps(first).decode()}
+    try:
+        async for chunk in chunks:
+            yield {"data": orjson.dumps(chunk).decode()}
+    except APIError as exc:
+        yield {"data": orjson.dumps(exc.envelope()).decode()}
+    yield {"data": "[DONE]"}
+
+
+def _validation_error(errors: list[Any]) -> BadRequest:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = _param_path(loc)
+    return BadRequest(f"invalid value for '{param or 'body'}': {first.get('msg')}", param=param or None)
+
+
+def _param_path(loc: list[str]) -> str:
+    out = ""
+    for part in loc:
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "NamedToolChoice", "function-after[_content_required(), MessageIn]"):
+            continue
+        elif not part.startswith(("literal[", "function-", "list[", "str", "int", "float", "bool")):
+            out += ("." if out else "") + part
+    return out
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(list(exc.errors()))
+        return JSONResponse(err.envelope(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        body = protocol_error(str(exc.detail), "invalid_request_error", code)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(protocol_error("internal server error", "server_error", None), status_code=500)
+
+
+def protocol_error(message: str, error_type: str, code: str | None) -> dict[str, Any]:
+    from gateway.errors import error_envelope
+
+    return error_envelope(message, error_type, None, code)
+

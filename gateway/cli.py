@@ -1,0 +1,90 @@
+"""`toolkv` command line: `toolkv serve [--host] [--port] [--model] [--config FILE] [--cache-dir DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.settings import Settings, SettingsError, load_settings
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkv", description="OpenAI-compatible gateway with tool-prefix KV caching")
+    sub = parser.add_subparsers()
+    serve = sub.add_parser("serve", help="start the gateway")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--model", help="'smollm2' (embedded), a local HF model dir, a .gguf path or a hub id")
+    serve.add_argument("--config", help="a TOML settings file (default: config/toolkv.toml if present)")
+    serve.add_argument("--cache-dir")
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model,
+                                 "cache_dir": args.cache_dir}
+    return load_settings(config, overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as exc:
+        print(f"toolkv: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings)
+    import uvicorn
+
+    from gateway.app import create_app
+
+    log = logging.getLogger("gateway")
+    if settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: anyone who can reach it can use the model", settings.host)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)
+    return 0
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        body: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                                "logger": record.name, "msg": record.getMessage()}
+        body.update(getattr(record, "toolkv", {}))
+        return json.dumps(body)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = getattr(record, "toolkv", None)
+        return line + (" " + " ".join(f"{k}={v}" for k, v in extra.items()) if extra else "")
+
+
+def configure_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if settings.log_json else
+                         _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

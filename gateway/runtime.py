@@ -1,0 +1,68 @@
+"""Everything that exists once the model is loaded: engine, prefix store, chat service."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from adapters.families import ADAPTER_VERSION, detect_family, get_family
+from gateway.engine import Engine
+from gateway.kvcache.keys import CacheIdentity
+from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.store import PrefixStore
+from gateway.metrics import Metrics
+from gateway.model_loader import LoadedModel, load_model
+from gateway.serving import ChatService
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Runtime:
+    loaded: LoadedModel
+    engine: Engine
+    service: ChatService
+    store: PrefixStore
+    metrics: Metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.source.served_name
+
+    @property
+    def model_aliases(self) -> frozenset[str]:
+        return frozenset({self.loaded.source.served_name, self.loaded.source.location})
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        m.cache_entries.labels(tier="ram").set(len(self.store.ram))
+        m.cache_bytes.labels(tier="ram").set(self.store.ram.num_bytes)
+        m.queue_depth.set(self.engine.queue_depth)
+        for eviction in _drain(self.store.evictions):
+            m.evictions.labels(tier="ram").inc()
+            del eviction
+
+
+def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> Runtime:
+    loaded = loaded or load_model(settings)
+    tokenizer = loaded.tokenizer
+    family = (get_family(settings.adapter) if settings.adapter != "auto" else
+              detect_family(loaded.model.config.model_type, tokenizer.chat_template))
+    identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
+                             f"{family.name}-{ADAPTER_VERSION}")
+    store = PrefixStore(RamTier(settings.ram_budget_bytes))
+    engine = Engine(loaded.model, tokenizer, store, identity, min_prefix_tokens=settings.min_prefix_tokens,
+                    max_queue=settings.max_queue, device=loaded.device)
+    engine.start()
+    service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
+                          cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens)
+    log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
+             loaded.device, loaded.dtype, family.name)
+    return Runtime(loaded, engine, service, store, metrics)
+
+
+def _drain(items: list) -> list:  # type: ignore[type-arg]
+    taken = list(items)
+    items.clear()
+    return taken

@@ -1,0 +1,286 @@
+"""Serving: turn a validated chat request into an engine job, and engine events into OpenAI
+responses (whole or streamed). Owns tokenization and the cut at the end of the tool group."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.base import ChatFamily
+from adapters.render import PromptRenderer
+from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart, get_parser
+from gateway import protocol
+from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta
+from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
+from gateway.metrics import Metrics
+from gateway.protocol import ChatCompletionRequest, NamedToolChoice
+from gateway.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for the engine, and what its response needs."""
+
+    job: Job
+    model_name: str
+    tools_active: bool  # parse tool calls from the output
+    forced_opening: str  # text appended after the generation prompt to force a call
+    single_call: bool
+    use_cache: bool
+    group_id: str
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class Outcome:
+    prefilled: Prefilled | None = None
+    ttft_s: float | None = None
+    finish: Finished | None = None
+    text_parts: list[str] = field(default_factory=list)
+
+
+class ChatService:
+    def __init__(self, engine: Engine, tokenizer: Any, family: ChatFamily, model_name: str,
+                 context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.family = family
+        self.renderer = PromptRenderer(tokenizer, family)
+        self.model_name = model_name
+        self.context_len = context_len
+        self.metrics = metrics
+        self.cache_enabled = cache_enabled
+        self.default_max_tokens = default_max_tokens
+
+    # ---- preparing -------------------------------------------------------------------------
+
+    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "") -> Prepared:
+        messages = [m.to_chat() for m in req.messages]
+        tools = [t.to_spec() for t in req.tools or ()]
+        _check_unique_names(tools)
+        rendered = self.renderer.render(messages, tools)
+        opening = self._forced_opening(req)
+        ids, prefix_len = self._tokenize(rendered.text, rendered.prefix_chars, opening)
+        params = self._sampling(req, len(ids))
+        use_cache = self.cache_enabled and not bypass
+        job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
+                  use_cache=use_cache, salt=salt, group_id=rendered.group.group_id,
+                  tool_names=rendered.group.tool_names)
+        return Prepared(job=job, model_name=self.model_name,
+                        tools_active=bool(tools) and req.tool_choice != "none",
+                        forced_opening=opening, single_call=req.parallel_tool_calls is False,
+                        use_cache=use_cache, group_id=rendered.group.group_id)
+
+    def _forced_opening(self, req: ChatCompletionRequest) -> str:
+        if not req.tools:
+            return ""
+        if req.tool_choice == "required":
+            return self.family.call_opening(None)
+        if isinstance(req.tool_choice, NamedToolChoice):
+            return self.family.call_opening(req.tool_choice.function.name)
+        return ""
+
+    def _tokenize(self, text: str, prefix_chars: int, opening: str) -> tuple[list[int], int]:
+        """Tokenize the whole prompt once, then cut at the last token that ends inside the prefix."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = list(enc["input_ids"])
+        ends = [end for _, end in enc["offset_mapping"]]
+        prefix_len = bisect.bisect_right(ends, prefix_chars) if prefix_chars else 0
+        if opening:  # the suffix only; the opening is generated text, never part of the prefix
+            ids += self.tokenizer(opening, add_special_tokens=False)["input_ids"]
+        return ids, prefix_len
+
+    def _sampling(self, req: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+        room = self.context_len - prompt_len
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt is {prompt_len} tokens; this model's context is {self.context_len} tokens",
+                param="messages")
+        asked = req.max_completion_tokens or req.max_tokens
+        if asked is not None and asked > room:
+            raise ContextLengthExceeded(
+                f"prompt ({prompt_len} tokens) + max_tokens ({asked}) exceeds the context of "
+                f"{self.context_len} tokens", param="max_tokens")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return SamplingParams(max_tokens=min(asked or self.default_max_tokens, room),
+                              temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                              seed=req.seed, stop=req.stop_sequences)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    async def events(self, prepared: Prepared) -> AsyncIterator[EngineEvent]:
+        """Run the job on the engine; cancelling this iterator cancels the generation."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        prepared.job.emit = lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)
+        try:
+            self.engine.submit(prepared.job)
+        except QueueFull:
+            raise Overloaded("the server is busy: too many requests are queued; retry shortly",
+                             headers={"Retry-After": "1"}) from None
+        try:
+            while True:
+                event = await inbox.get()
+                yield event
+                if isinstance(event, (Finished, Failed)):
+                    return
+        finally:
+            prepared.job.cancelled.set()  # no-op when finished; stops the engine otherwise
+
+    async def complete(self, prepared: Prepared) -> dict[str, Any]:
+        outcome = Outcome()
+        async for event in self.events(prepared):
+            self._observe(prepared, outcome, event)
+            if isinstance(event, TextDelta):
+                outcome.text_parts.append(event.text)
+            elif isinstance(event, Failed):
+                raise GenerationFailed(event.message)
+        assert outcome.finish is not None and outcome.prefilled is not None
+        message, finish_reason = self._message("".join(outcome.text_parts), prepared, outcome.finish)
+        usage = _usage(outcome)
+        self._record(prepared, outcome, "200", stream=False)
+        return protocol.completion_dict(protocol.new_completion_id(), prepared.model_name, message,
+                                        finish_reason, usage)
+
+    def _message(self, text: str, prepared: Prepared, finish: Finished) -> tuple[dict[str, Any], str]:
+        if not prepared.tools_active:
+            return {"role": "assistant", "content": text, "refusal": None}, finish.finish_reason
+        parsed = get_parser(self.family.tool_parser).parse(prepared.forced_opening + text)
+        if parsed.parse_failed:
+            self.metrics.tool_parse_failures.inc()
+        calls = list(parsed.tool_calls)[: 1 if prepared.single_call else None]
+        if not calls:
+            content = text if parsed.parse_failed else (parsed.content or "")
+            return {"role": "assistant", "content": content, "refusal": None}, finish.finish_reason
+        wire = [{"id": protocol.new_tool_call_id(), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return {"role": "assistant", "content": parsed.content, "refusal": None,
+                "tool_calls": wire}, "tool_calls"
+
+    async def stream(self, prepared: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage."""
+        cid, created, model = protocol.new_completion_id(), int(time.time()), prepared.model_name
+        outcome = Outcome()
+        streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
+        if streamer is not None and prepared.forced_opening:
+            streamer.feed(prepared.forced_opening)
+        calls = _CallTracker(single=prepared.single_call)
+        events = self.events(prepared)
+        first = await anext(events)  # raises Overloaded before any byte is sent
+        yield protocol.chunk_dict(cid, created, model, {"role": "assistant", "content": ""})
+        async for event in _chain(first, events):
+            self._observe(prepared, outcome, event)
+            if isinstance(event, Failed):
+                self._record(prepared, outcome, "500", stream=True)
+                raise GenerationFailed(event.message)
+            if isinstance(event, TextDelta):
+                pieces = streamer.feed(event.text) if streamer else [ContentDelta(event.text)]
+                for delta in calls.deltas(pieces):
+                    yield protocol.chunk_dict(cid, created, model, delta)
+        if streamer is not None:
+            for delta in calls.deltas(streamer.finish()):
+                yield protocol.chunk_dict(cid, created, model, delta)
+            if streamer.parse_failed:
+                self.metrics.tool_parse_failures.inc()
+        assert outcome.finish is not None
+        reason = "tool_calls" if calls.count else outcome.finish.finish_reason
+        yield protocol.chunk_dict(cid, created, model, {}, finish_reason=reason)
+        if include_usage:
+            yield protocol.chunk_dict(cid, created, model, None, usage=_usage(outcome))
+        self._record(prepared, outcome, "200", stream=True)
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def _observe(self, prepared: Prepared, outcome: Outcome, event: EngineEvent) -> None:
+        if isinstance(event, Prefilled):
+            outcome.prefilled = event
+        elif isinstance(event, TextDelta) and outcome.ttft_s is None:
+            outcome.ttft_s = time.perf_counter() - prepared.started
+        elif isinstance(event, Finished):
+            outcome.finish = event
+            if outcome.ttft_s is None:
+                outcome.ttft_s = time.perf_counter() - prepared.started
+
+    def _record(self, prepared: Prepared, outcome: Outcome, status: str, stream: bool) -> None:
+        m, pre = self.metrics, outcome.prefilled
+        m.requests.labels(status=status, stream=str(stream).lower()).inc()
+        if pre is None:
+            return
+        m.cache_lookups.labels(result=pre.result, tier=pre.tier or "none").inc()
+        m.prompt_tokens.inc(pre.prompt_tokens)
+        m.cached_tokens.inc(pre.cached_tokens)
+        m.computed_tokens.inc(pre.prompt_tokens - pre.cached_tokens)
+        if pre.result == "miss":
+            m.compile_seconds.observe(pre.compile_s)
+        if pre.result == "hit":
+            m.restore_seconds.observe(pre.restore_s)
+        completion = outcome.finish.completion_tokens if outcome.finish else 0
+        m.generated_tokens.inc(completion)
+        if outcome.ttft_s is not None:
+            m.ttft.labels(cache=pre.result).observe(outcome.ttft_s)
+        total_s = time.perf_counter() - prepared.started
+        m.latency.labels(cache=pre.result).observe(total_s)
+        log.info("request done", extra={"toolkv": {
+            "group_id": prepared.group_id, "prompt_tokens": pre.prompt_tokens,
+            "cached_tokens": pre.cached_tokens, "completion_tokens": completion,
+            "cache": pre.result, "ttft_ms": round((outcome.ttft_s or 0) * 1000, 1),
+            "latency_ms": round(total_s * 1000, 1), "status": status}})
+
+
+class _CallTracker:
+    """Turns parser deltas into OpenAI delta dicts; gives each call an id once."""
+
+    def __init__(self, single: bool) -> None:
+        self.single = single
+        self.count = 0
+
+    def deltas(self, pieces: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, ContentDelta):
+                if piece.text:
+                    out.append({"content": piece.text})
+            elif self.single and getattr(piece, "index", 0) > 0:
+                continue
+            elif isinstance(piece, ToolCallStart):
+                self.count += 1
+                out.append({"tool_calls": [{"index": piece.index, "id": protocol.new_tool_call_id(),
+                                            "type": "function",
+                                            "function": {"name": piece.name, "arguments": ""}}]})
+            elif isinstance(piece, ToolCallArgsDelta):
+                out.append({"tool_calls": [{"index": piece.index,
+                                            "function": {"arguments": piece.fragment}}]})
+        return out
+
+
+async def _chain(first: EngineEvent, rest: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+def _usage(outcome: Outcome) -> dict[str, Any]:
+    pre = outcome.prefilled
+    completion = outcome.finish.completion_tokens if outcome.finish else 0
+    return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0)
+
+
+def _check_unique_names(tools: list[Any]) -> None:
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if tool.name in seen:
+            raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
+                             param=f"tools[{index}].function.name")
+        seen.add(tool.name)
+
+
+def _unset_emit(event: EngineEvent) -> None:
+    raise RuntimeError("job submitted without an event sink")
+
