@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import protocol
+from gateway import cache_routes, dashboard, protocol
 from gateway.errors import APIError, BadRequest, ModelLoadFailed, ModelLoading, ModelNotFound, PayloadTooLarge
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
@@ -49,6 +49,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.started_at = int(time.time())
     _install_error_handlers(app)
     _install_routes(app)
+    app.include_router(cache_routes.router)
+    app.include_router(dashboard.router)
     return app
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway import bench, cache_cli
 from gateway.settings import Settings, SettingsError, load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="a TOML settings file (default: config/toolkv.toml if present)")
     serve.add_argument("--cache-dir")
     serve.set_defaults(func=_serve)
+    cache_cli.register(sub)
+    bench.register(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +76,14 @@ class QueueFull(Exception):
     pass
 
 
+@dataclass(slots=True)
+class Task:
+    """Work other than a generation that must run on the engine thread (e.g. warming a prefix)."""
+
+    fn: Callable[[], Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device) -> None:
@@ -85,7 +94,7 @@ class Engine:
         self.min_prefix_tokens = min_prefix_tokens
         self.device = device
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._jobs: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self.busy = False
 
@@ -104,6 +113,15 @@ class Engine:
         except queue.Full:
             raise QueueFull from None
 
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the engine thread, between generations; its result arrives in the future."""
+        task = Task(fn)
+        try:
+            self._jobs.put_nowait(task)
+        except queue.Full:
+            raise QueueFull from None
+        return task.future
+
     @property
     def queue_depth(self) -> int:
         return self._jobs.qsize()
@@ -118,6 +136,9 @@ class Engine:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, Task):
+                self._run_task(job)
+                continue
             if job.cancelled.is_set():
                 continue
             self.busy = True
@@ -129,6 +150,15 @@ class Engine:
                 job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
                 self.busy = False
+
+    def _run_task(self, task: Task) -> None:
+        if not task.future.set_running_or_notify_cancel():
+            return
+        try:
+            with torch.inference_mode():
+                task.future.set_result(task.fn())
+        except Exception as exc:
+            task.future.set_exception(exc)
 
     def _generate(self, job: Job) -> None:
         logits, cache, prefilled = self._prefill(job)
