@@ -49,6 +49,7 @@ class TextDelta:
 class Finished:
     finish_reason: Literal["stop", "length"]
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +248,7 @@ class Engine:
             if delta:
                 job.emit(TextDelta(delta))
             if stream.stopped:
-                job.emit(Finished("stop", count))
+                job.emit(Finished("stop", count, tuple(stream.token_ids)))
                 return
             if count < job.params.max_tokens:
                 logits = self._forward([token], cache)
@@ -257,7 +258,7 @@ class Engine:
         rest = stream.flush()
         if rest:
             job.emit(TextDelta(rest))
-        job.emit(Finished(reason, count))
+        job.emit(Finished(reason, count, tuple(stream.token_ids)))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

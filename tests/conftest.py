@@ -1,0 +1,54 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, tiny random-weight models built from a config
+(llama, qwen2, mistral), and JSON-schema validators for OpenAI's chat objects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.models import build_tiny_model, save_tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WORKLOADS = SHARED / "workloads"
+SPEC = SHARED / "openai-spec" / "openai_chat_schemas.lenient.json"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
+    built: dict[tuple[str, int], Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0) -> Path:
+        if (arch, seed) not in built:
+            target = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}")
+            built[(arch, seed)] = build_tiny_model(arch, target, tokenizer_dir, seed)
+        return built[(arch, seed)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def merchant_tools() -> list[dict[str, Any]]:
+    return json.loads((WORKLOADS / "merchant_100_tools.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def openai_schema() -> Callable[[str, Any], None]:
+    """validate(def_name, instance): raises if `instance` does not match OpenAI's schema."""
+    from jsonschema import Draft202012Validator
+
+    bundle = json.loads(SPEC.read_text())
+
+    def validate(name: str, instance: Any) -> None:
+        schema = {"$schema": bundle["$schema"], "$defs": bundle["$defs"], "$ref": f"#/$defs/{name}"}
+        Draft202012Validator(schema).validate(instance)
+
+    return validate

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.engine import Finished, Prefilled, TextDelta
+from gateway.metrics import Metrics
+from gateway.protocol import ChatCompletionRequest
+from gateway.runtime import Runtime, build_runtime
+from gateway.settings import load_settings
+
+
+def make_runtime(model_dir: Path, **overrides: Any) -> Runtime:
+    settings = load_settings(overrides={"model": str(model_dir), "min_prefix_tokens": 8, **overrides},
+                             environ={})
+    return build_runtime(settings, Metrics())
+
+
+@pytest.fixture
+def runtime_for(tiny_model_dir: Callable[..., Path]) -> Iterator[Callable[..., Runtime]]:
+    made: list[Runtime] = []
+
+    def make(arch: str = "llama", seed: int = 0, **overrides: Any) -> Runtime:
+        runtime = make_runtime(tiny_model_dir(arch, seed), **overrides)
+        made.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in made:
+        runtime.engine.stop()
+
+
+class Run:
+    def __init__(self, prefilled: Prefilled, finished: Finished, text: str) -> None:
+        self.prefilled = prefilled
+        self.finished = finished
+        self.text = text
+
+
+def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False) -> Run:
+    """Run one request through the service and engine, collecting the raw events."""
+    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(body), bypass=bypass)
+
+    async def collect() -> Run:
+        pre, fin, parts = None, None, []
+        async for event in runtime.service.events(prepared):
+            if isinstance(event, Prefilled):
+                pre = event
+            elif isinstance(event, TextDelta):
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                fin = event
+        assert pre is not None and fin is not None
+        return Run(pre, fin, "".join(parts))
+
+    return asyncio.run(collect())

@@ -1,0 +1,105 @@
+"""The invariant toolkv exists for: a cached prefix gives the same tokens as computing it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import generate
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+def body(tools: list[dict[str, Any]], question: str = "What was GMV last week?", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": "You are a merchant assistant."},
+                         {"role": "user", "content": question}],
+            "tools": tools, "temperature": 0, "max_tokens": 24, **extra}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_miss_hit_and_bypass_give_identical_greedy_tokens(runtime_for, merchant_tools, arch):
+    runtime = runtime_for(arch)
+    request = body(merchant_tools[:6])
+    miss = generate(runtime, request)
+    hit = generate(runtime, request)
+    plain = generate(runtime, request, bypass=True)
+    assert (miss.prefilled.result, hit.prefilled.result, plain.prefilled.result) == ("miss", "hit", "bypass")
+    assert len(miss.finished.token_ids) == 24
+    assert miss.finished.token_ids == hit.finished.token_ids == plain.finished.token_ids
+    assert miss.text == hit.text == plain.text
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hit_reports_the_whole_tool_group_as_cached(runtime_for, merchant_tools, arch):
+    runtime = runtime_for(arch)
+    request = body(merchant_tools[:6])
+    prepared = runtime.service.prepare(__import__("gateway.protocol").protocol.ChatCompletionRequest.model_validate(request))
+    tokenizer = runtime.loaded.tokenizer
+    prefix_text = tokenizer.decode(prepared.job.prompt_ids[: prepared.job.prefix_len])
+    assert prefix_text.endswith("</tool_call><|im_end|>\n")  # the cut is at the end of the system turn
+    generate(runtime, request)
+    hit = generate(runtime, body(merchant_tools[:6], question="And yesterday?"))
+    assert hit.prefilled.result == "hit"
+    assert hit.prefilled.cached_tokens == prepared.job.prefix_len
+    assert hit.prefilled.prompt_tokens > hit.prefilled.cached_tokens
+
+
+def test_sampling_with_a_seed_is_the_same_on_hit_and_miss(runtime_for, merchant_tools):
+    runtime = runtime_for("llama")
+    request = body(merchant_tools[:4], temperature=0.9, top_p=0.9, seed=1234)
+    miss = generate(runtime, request)
+    hit = generate(runtime, request)
+    assert hit.prefilled.result == "hit"
+    assert miss.finished.token_ids == hit.finished.token_ids
+
+
+def test_tool_order_hits_the_same_entry_and_a_changed_tool_misses(runtime_for, merchant_tools):
+    runtime = runtime_for("llama")
+    tools = merchant_tools[:5]
+    assert generate(runtime, body(tools)).prefilled.result == "miss"
+    assert generate(runtime, body(list(reversed(tools)))).prefilled.result == "hit"
+    changed = [dict(tools[0], function=dict(tools[0]["function"], description="changed"))] + tools[1:]
+    assert generate(runtime, body(changed)).prefilled.result == "miss"
+
+
+def test_system_prompt_change_never_serves_the_old_kv(runtime_for, merchant_tools):
+    runtime = runtime_for("llama")
+    first = body(merchant_tools[:5])
+    generate(runtime, first)
+    second = dict(first, messages=[{"role": "system", "content": "You are a refund assistant."},
+                                   first["messages"][1]])
+    run = generate(runtime, second)
+    plain = generate(runtime, second, bypass=True)
+    assert run.prefilled.result == "miss"
+    assert run.finished.token_ids == plain.finished.token_ids
+
+
+def test_short_prefix_is_not_cached(runtime_for):
+    runtime = runtime_for("llama", min_prefix_tokens=10_000)
+    run = generate(runtime, {"messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi"}],
+                             "temperature": 0, "max_tokens": 4})
+    assert run.prefilled.result == "skip"
+    assert run.prefilled.cached_tokens == 0
+    assert len(runtime.store.ram) == 0
+
+
+def test_cache_off_in_settings_runs_plain_prefill(runtime_for, merchant_tools):
+    runtime = runtime_for("llama", cache="off")
+    runs = [generate(runtime, body(merchant_tools[:4])) for _ in range(2)]
+    assert [r.prefilled.result for r in runs] == ["bypass", "bypass"]
+    assert len(runtime.store.ram) == 0
+
+
+def test_stop_sequence_and_max_tokens_end_generation(runtime_for, merchant_tools):
+    runtime = runtime_for("llama")
+    free = generate(runtime, body(merchant_tools[:4], max_tokens=16))
+    assert free.finished.finish_reason == "length"
+    assert free.finished.completion_tokens == 16
+    stop = free.text[4:7]
+    assert stop.strip()
+    stopped = generate(runtime, body(merchant_tools[:4], max_tokens=16, stop=[stop]))
+    assert stopped.finished.finish_reason == "stop"
+    assert stop not in stopped.text
+    assert free.text.startswith(stopped.text)

@@ -1,0 +1,84 @@
+"""A real uvicorn server on 127.0.0.1 running the gateway app in this process, for HTTP tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.settings import Settings
+
+READY_DEADLINE_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    app: FastAPI
+    base_url: str
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+
+def wait_until_ready(base_url: str, deadline_s: float = READY_DEADLINE_S) -> dict[str, Any]:
+    """Poll /health until the model is loaded (readiness polling, not synchronisation by sleep)."""
+    end = time.monotonic() + deadline_s
+    last: dict[str, Any] = {}
+    while time.monotonic() < end:
+        try:
+            last = httpx.get(base_url + "/health", timeout=5).json()
+        except httpx.HTTPError:
+            last = {}
+        if last.get("status") in ("ok", "failed"):
+            return last
+        time.sleep(0.1)
+    raise TimeoutError(f"server at {base_url} not ready: {last}")
+
+
+@contextmanager
+def serve_app(app: FastAPI, wait_ready: bool = True) -> Iterator[LiveServer]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_started(server)
+        if wait_ready:
+            status = wait_until_ready(base)
+            assert status["status"] == "ok", status
+        yield LiveServer(app, base)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def serve(settings: Settings) -> Iterator[LiveServer]:
+    with serve_app(create_app(settings)) as live:
+        yield live
+
+
+def _wait_started(server: uvicorn.Server) -> None:
+    end = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > end:
+            raise TimeoutError("uvicorn did not start")
+        time.sleep(0.01)
