@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,12 +29,14 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 BYPASS_HEADER = "x-toolkv-cache"
+RuntimeFactory = Callable[[Settings, Metrics], Runtime]
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runtime) -> FastAPI:
+    """The app; `runtime_factory` loads the model (in a background thread, so /health answers at once)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = threading.Thread(target=_load, args=(app,), name="toolkv-loader", daemon=True)
+        loader = threading.Thread(target=_load, args=(app, runtime_factory), name="toolkv-loader", daemon=True)
         loader.start()
         yield
         runtime: Runtime | None = app.state.runtime
@@ -54,11 +56,11 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _load(app: FastAPI) -> None:
+def _load(app: FastAPI, runtime_factory: RuntimeFactory) -> None:
     metrics: Metrics = app.state.metrics
     metrics.model_loaded.set(0)
     try:
-        app.state.runtime = build_runtime(app.state.settings, metrics)
+        app.state.runtime = runtime_factory(app.state.settings, metrics)
         metrics.model_loaded.set(1)
     except Exception as exc:  # reported by /health and as 503 on requests
         log.exception("model load failed")

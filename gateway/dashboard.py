@@ -1,7 +1,227 @@
-"""The live dashboard at `/`, served from files inside the package (no CDN)."""
+"""The live dashboard: the page at `/` and its assets, served from `gateway/static/` (no CDN), and
+`GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
+registry and the RAM tier; the serving layer knows nothing about the dashboard."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-router = APIRouter()
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse
+from prometheus_client import Histogram
+from prometheus_client.metrics_core import Metric
+
+from gateway.errors import NotFound
+from gateway.metrics import Metrics
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+               ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+TTFT_LABELS = ("hit", "miss", "bypass")
+MAX_GROUP_ROWS = 200
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/")
+async def index() -> FileResponse:
+    return _asset("index.html")
+
+
+@router.get("/static/{name}")
+async def static_asset(name: str) -> FileResponse:
+    return _asset(name)
+
+
+@router.get("/v1/dashboard/stats")
+async def stats(request: Request) -> JSONResponse:
+    app = request.app
+    runtime = app.state.runtime
+    if runtime is not None:
+        runtime.refresh_gauges()
+    metrics: Metrics = app.state.metrics
+    windows = ttft_windows(app)
+    windows.sample(metrics.ttft, time.time())
+    return JSONResponse({
+        "status": _status(app), "model": runtime.model_name if runtime is not None else None,
+        "totals": totals(metrics), "ttft_windows": windows.to_json(),
+        "window_s": windows.window_s, "groups": ram_groups(runtime)})
+
+
+def _asset(name: str) -> FileResponse:
+    path = STATIC_DIR / name
+    if path.suffix not in MEDIA_TYPES or path.parent != STATIC_DIR or not path.is_file():
+        raise NotFound(f"no dashboard asset named '{name}'")
+    return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
+
+
+def _status(app: FastAPI) -> str:
+    if app.state.runtime is not None:
+        return "ok"
+    return "failed" if app.state.load_error else "loading"
+
+
+# ---- totals ------------------------------------------------------------------------------------
+
+
+def totals(metrics: Metrics) -> dict[str, Any]:
+    """Counters since start-up, summed over the labels the page does not split by."""
+    lookups = _by_label(metrics.cache_lookups.collect(), "toolkv_cache_lookups_total", "result")
+    requests = _by_label(metrics.requests.collect(), "toolkv_requests_total", "status")
+    hits, misses = lookups.get("hit", 0.0), lookups.get("miss", 0.0)
+    prompt = _value(metrics.prompt_tokens.collect(), "toolkv_prompt_tokens_total")
+    cached = _value(metrics.cached_tokens.collect(), "toolkv_prompt_tokens_cached_total")
+    return {
+        "requests": sum(requests.values()),
+        "errors": sum(n for status, n in requests.items() if not status.startswith("2")),
+        "lookups": lookups,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "cached_share": cached / prompt if prompt else None,
+        "generated_tokens": _value(metrics.generated_tokens.collect(), "toolkv_generation_tokens_total"),
+        "cache_entries": _by_label(metrics.cache_entries.collect(), "toolkv_cache_entries", "tier"),
+        "cache_bytes": _by_label(metrics.cache_bytes.collect(), "toolkv_cache_bytes", "tier"),
+    }
+
+
+def _by_label(families: Iterable[Metric], sample_name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == sample_name:
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _value(families: Iterable[Metric], sample_name: str) -> float:
+    return sum(_by_label(families, sample_name, "").values())
+
+
+# ---- tool groups -------------------------------------------------------------------------------
+
+
+def ram_groups(runtime: Any) -> list[dict[str, Any]]:
+    """Rows for the tool-group table, most recently used first. Only the RAM tier is listed."""
+    entries = getattr(getattr(getattr(runtime, "store", None), "ram", None), "entries", None)
+    if entries is None:
+        return []
+    rows = [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
+             "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram"}
+            for e in entries()]
+    rows.sort(key=lambda row: row["last_used_at"], reverse=True)
+    return rows[:MAX_GROUP_ROWS]
+
+
+# ---- TTFT over time ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class HistogramState:
+    """Cumulative bucket counts (last one is +Inf) and the sum of one labelled histogram series."""
+
+    counts: list[float]
+    sum_s: float = 0.0
+
+    @property
+    def count(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    def minus(self, before: HistogramState | None) -> HistogramState:
+        if before is None:
+            return self
+        return HistogramState([a - b for a, b in zip(self.counts, before.counts)], self.sum_s - before.sum_s)
+
+    def plus(self, other: HistogramState) -> HistogramState:
+        if not self.counts:
+            return other
+        return HistogramState([a + b for a, b in zip(self.counts, other.counts)], self.sum_s + other.sum_s)
+
+
+@dataclass(slots=True)
+class Window:
+    start_s: float
+    series: dict[str, HistogramState] = field(default_factory=dict)
+
+    def to_json(self, bounds: list[float]) -> dict[str, Any]:
+        body: dict[str, Any] = {"t": self.start_s}
+        for label, state in self.series.items():
+            mean_s = state.sum_s / state.count
+            # one request is its own p50 and p95; bucket interpolation would only blur it
+            p50_s, p95_s = ((mean_s, mean_s) if state.count == 1 else
+                            (quantile(0.5, bounds, state.counts), quantile(0.95, bounds, state.counts)))
+            body[label] = {"count": int(state.count), "mean_ms": 1000 * mean_s,
+                           "p50_ms": 1000 * p50_s, "p95_ms": 1000 * p95_s}
+        return body
+
+
+class TtftWindows:
+    """TTFT p50/p95 per fixed time window, for hits and misses, from the change in the Prometheus
+    histogram between two looks (the serving layer records into the histogram only). Requests that
+    finish while no one looks are counted in the window of the next look."""
+
+    def __init__(self, window_s: float = 10.0, max_windows: int = 180) -> None:
+        self.window_s = window_s
+        self.bounds: list[float] = []
+        self._last: dict[str, HistogramState] = {}
+        self._windows: deque[Window] = deque(maxlen=max_windows)
+
+    def sample(self, histogram: Histogram, now_s: float) -> None:
+        self.bounds, current = read_histogram(histogram.collect())
+        for label, state in current.items():
+            delta = state.minus(self._last.get(label))
+            if label in TTFT_LABELS and delta.count > 0:
+                window = self._window_at(now_s)
+                window.series[label] = window.series.get(label, HistogramState([])).plus(delta)
+        self._last = current
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [window.to_json(self.bounds) for window in self._windows]
+
+    def _window_at(self, now_s: float) -> Window:
+        start_s = math.floor(now_s / self.window_s) * self.window_s
+        if not self._windows or self._windows[-1].start_s != start_s:
+            self._windows.append(Window(start_s))
+        return self._windows[-1]
+
+
+def ttft_windows(app: FastAPI) -> TtftWindows:
+    """The app's windows, made on first use (one per app, never module-level)."""
+    windows: TtftWindows | None = getattr(app.state, "dashboard_ttft", None)
+    if windows is None:
+        windows = app.state.dashboard_ttft = TtftWindows()
+    return windows
+
+
+def read_histogram(families: Iterable[Metric]) -> tuple[list[float], dict[str, HistogramState]]:
+    """(finite bucket bounds, cache label -> state) from a collected `cache`-labelled histogram."""
+    bounds: set[float] = set()
+    series: dict[str, HistogramState] = {}
+    for family in families:
+        for sample in family.samples:  # buckets come in ascending order within a series
+            state = series.setdefault(sample.labels.get("cache", ""), HistogramState([]))
+            if sample.name.endswith("_bucket"):
+                state.counts.append(sample.value)
+                bounds.update([float(sample.labels["le"])] if sample.labels["le"] != "+Inf" else [])
+            elif sample.name.endswith("_sum"):
+                state.sum_s = sample.value
+    return sorted(bounds), series
+
+
+def quantile(q: float, bounds: list[float], cumulative: list[float]) -> float:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q."""
+    total = cumulative[-1]
+    rank = q * total
+    for index, upper in enumerate(bounds):
+        if cumulative[index] >= rank:
+            lower = bounds[index - 1] if index else 0.0
+            below = cumulative[index - 1] if index else 0.0
+            inside = cumulative[index] - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
+    return bounds[-1] if bounds else math.nan  # rank in the +Inf bucket: the highest finite bound

@@ -98,6 +98,7 @@ class Engine:
         self._jobs: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self.busy = False
+        self.num_cancelled = 0  # generations stopped because their client went away
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -107,6 +108,7 @@ class Engine:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        self.store.close()  # finish pending disk writes, so a restart finds them
 
     def submit(self, job: Job) -> None:
         try:
@@ -189,7 +191,8 @@ class Engine:
             logits = self._forward(job.prompt_ids[job.prefix_len :], cache)
         finally:
             self.store.unlock(entry)
-        prefilled = Prefilled(len(job.prompt_ids), job.prefix_len, result, tier,  # type: ignore[arg-type]
+        cached = job.prefix_len if result == "hit" else 0  # a miss computed its prefix just now
+        prefilled = Prefilled(len(job.prompt_ids), cached, result, tier,  # type: ignore[arg-type]
                               restore_s, compile_s, time.perf_counter() - started)
         return logits, cache, prefilled
 
@@ -239,6 +242,7 @@ class Engine:
         stream = TextStream(self.tokenizer, job.params.stop)
         for count in range(1, job.params.max_tokens + 1):
             if job.cancelled.is_set():
+                self.num_cancelled += 1
                 return
             token = sampler.next_token(logits)
             if token in self.eos_ids:

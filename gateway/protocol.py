@@ -119,16 +119,6 @@ class ChatCompletionRequest(_Lenient):
             raise ValueError("at most 4 stop sequences")
         return stop
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or ()}
-            if self.tool_choice.function.name not in names:
-                raise ValueError(
-                    f"tool_choice names '{self.tool_choice.function.name}', which is not in 'tools'"
-                )
-        return self
-
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from gateway.engine import Engine
+from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
@@ -38,10 +39,14 @@ class Runtime:
         m = self.metrics
         m.cache_entries.labels(tier="ram").set(len(self.store.ram))
         m.cache_bytes.labels(tier="ram").set(self.store.ram.num_bytes)
+        if self.store.disk is not None:
+            num_files, num_bytes = self.store.disk.usage()
+            m.cache_entries.labels(tier="disk").set(num_files)
+            m.cache_bytes.labels(tier="disk").set(num_bytes)
         m.queue_depth.set(self.engine.queue_depth)
-        for eviction in _drain(self.store.evictions):
-            m.evictions.labels(tier="ram").inc()
-            del eviction
+        for (event, label), count in self.store.tally.drain().items():
+            counter = m.evictions.labels(tier=label) if event == "eviction" else m.cache_errors.labels(kind=label)
+            counter.inc(count)
 
 
 def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> Runtime:
@@ -51,7 +56,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
                              f"{family.name}-{ADAPTER_VERSION}")
-    store = PrefixStore(RamTier(settings.ram_budget_bytes))
+    store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
     engine = Engine(loaded.model, tokenizer, store, identity, min_prefix_tokens=settings.min_prefix_tokens,
                     max_queue=settings.max_queue, device=loaded.device)
     engine.start()
@@ -62,7 +67,9 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     return Runtime(loaded, engine, service, store, metrics)
 
 
-def _drain(items: list) -> list:  # type: ignore[type-arg]
-    taken = list(items)
-    items.clear()
-    return taken
+def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:
+    if settings.disk_budget_bytes == 0:
+        return None
+    disk = DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes, identity, loaded.device)
+    disk.sweep_stale_temps()
+    return disk

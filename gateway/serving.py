@@ -65,6 +65,7 @@ class ChatService:
         messages = [m.to_chat() for m in req.messages]
         tools = [t.to_spec() for t in req.tools or ()]
         _check_unique_names(tools)
+        _check_tool_choice(req)
         rendered = self.renderer.render(messages, tools)
         opening = self._forced_opening(req)
         ids, prefix_len = self._tokenize(rendered.text, rendered.prefix_chars, opening)
@@ -279,6 +280,14 @@ def _check_unique_names(tools: list[Any]) -> None:
             raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
                              param=f"tools[{index}].function.name")
         seen.add(tool.name)
+
+
+def _check_tool_choice(req: ChatCompletionRequest) -> None:
+    if not isinstance(req.tool_choice, NamedToolChoice):
+        return
+    name = req.tool_choice.function.name
+    if name not in {t.function.name for t in req.tools or ()}:
+        raise BadRequest(f"tool_choice names the function '{name}', which is not in 'tools'", param="tool_choice")
 
 
 def _unset_emit(event: EngineEvent) -> None:

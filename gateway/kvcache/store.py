@@ -1,18 +1,27 @@
-"""The prefix store: one lookup/insert facade over the tiers (RAM now; disk behind it)."""
+"""The prefix store: one lookup/insert facade over the tiers. Lookup goes RAM → disk → None (the
+caller computes); a disk hit is promoted to RAM. Insert puts the entry in RAM and hands the disk
+write to a background thread, so the request path never waits for the disk. A disk fault is a
+miss (or a skipped write) plus a counter plus a warning, never a failed request.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.kvcache.disk_tier import CacheFault, DiskRecord, DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.ram_tier import Eviction, RamTier
+from gateway.kvcache.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
 
 Tier = Literal["ram", "disk"]
+_MAX_PENDING_WRITES = 16  # each pending write holds its entry's tensors alive
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,22 +30,218 @@ class Found:
     tier: Tier
 
 
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """One entry as a listing shows it, whichever tiers hold it."""
+
+    digest: str
+    group_id: str
+    tool_names: tuple[str, ...]
+    num_tokens: int
+    num_bytes: int
+    tiers: tuple[Tier, ...]  # fastest first
+    hits: int
+    created_at: float
+    last_used_at: float
+
+
+class Tally:
+    """Thread-safe event counts (evictions per tier, faults per kind), drained by the metrics
+    collector."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, event: str, label: str, count: int = 1) -> None:
+        if count:
+            with self._lock:
+                self._counts[(event, label)] += count
+
+    def drain(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            taken = dict(self._counts)
+            self._counts.clear()
+            return taken
+
+
 class PrefixStore:
-    def __init__(self, ram: RamTier) -> None:
+    def __init__(self, ram: RamTier, disk: DiskTier | None = None) -> None:
         self.ram = ram
-        self.evictions: list[Eviction] = []  # drained by the metrics collector
+        self.disk = disk
+        self.tally = Tally()
+        self._writer = BackgroundWriter(self._persist) if disk is not None else None
 
     def lookup(self, key: PrefixKey) -> Found | None:
         entry = self.ram.match(key)
         if entry is not None:
             return Found(entry, "ram")
-        return None
+        entry = self._load_from_disk(key)
+        if entry is None:
+            return None
+        self._insert_ram(entry)
+        return Found(entry, "disk")
 
     def insert(self, entry: CacheEntry) -> None:
-        self.evictions.extend(self.ram.insert(entry))
+        """Keep `entry` in RAM now; write it to disk in the background."""
+        self._insert_ram(entry)
+        if self._writer is not None and self.disk is not None and self.disk.can_insert(entry):
+            if not self._writer.schedule(entry):
+                self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
 
     def lock(self, entry: CacheEntry) -> None:
         self.ram.lock(entry.key.digest)
 
     def unlock(self, entry: CacheEntry) -> None:
         self.ram.unlock(entry.key.digest)
+
+    # ---- management ----------------------------------------------------------------------------
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry of this model in any tier, most recently used first."""
+        merged = {e.key.digest: _ram_info(e) for e in self.ram.entries()}
+        for record in self.disk.records() if self.disk is not None else ():
+            held = merged.get(record.digest)
+            merged[record.digest] = _disk_info(record) if held is None else _with_disk(held)
+        return sorted(merged.values(), key=lambda info: info.last_used_at, reverse=True)
+
+    def remove(self, digest: str) -> bool:
+        """Drop the entry from every tier (a pending disk write of it is cancelled)."""
+        if self._writer is not None:
+            self._writer.cancel(digest)
+        in_ram = self.ram.remove(digest)
+        on_disk = self.disk.remove(digest) if self.disk is not None else False
+        return in_ram or on_disk
+
+    def clear(self) -> int:
+        """Drop every entry not in use; returns how many distinct entries went."""
+        if self._writer is not None:
+            self._writer.cancel_all()
+        digests = {e.key.digest for e in self.ram.entries()}
+        self.ram.clear()
+        if self.disk is not None:
+            digests.update(r.digest for r in self.disk.records())
+            self.disk.clear()
+        return len(digests)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every scheduled disk write is done; False on timeout."""
+        return self._writer.flush(timeout_s) if self._writer is not None else True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish pending disk writes (up to `timeout_s`) and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.close(timeout_s)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _insert_ram(self, entry: CacheEntry) -> None:
+        self.tally.add("eviction", "ram", len(self.ram.insert(entry)))
+
+    def _load_from_disk(self, key: PrefixKey) -> CacheEntry | None:
+        if self.disk is None:
+            return None
+        try:
+            return self.disk.load(key)
+        except CacheFault as fault:
+            self._fault(fault.kind, f"disk cache entry rejected, recomputing: {fault}")
+            return None
+
+    def _persist(self, entry: CacheEntry) -> None:
+        assert self.disk is not None
+        try:
+            evicted = self.disk.save(entry)
+        except CacheFault as fault:
+            self._fault(fault.kind, f"disk cache write failed, entry kept in RAM only: {fault}")
+            return
+        except Exception as exc:  # anything else the serializer raises is a failed write too
+            self._fault("write", f"disk cache write failed, entry kept in RAM only: {exc!r}")
+            return
+        self.tally.add("eviction", "disk", len(evicted))
+
+    def _fault(self, kind: str, message: str) -> None:
+        self.tally.add("error", kind)
+        log.warning("%s", message)
+
+
+class BackgroundWriter:
+    """Runs `write(entry)` on its own thread, oldest first, at most once per digest in flight."""
+
+    def __init__(self, write: Callable[[CacheEntry], None], max_pending: int = _MAX_PENDING_WRITES) -> None:
+        self._write = write
+        self._max_pending = max_pending
+        self._pending: dict[str, CacheEntry] = {}  # insertion order = write order
+        self._writing: str | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="toolkv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def schedule(self, entry: CacheEntry) -> bool:
+        """Queue a write; False when the backlog is full or the writer is closed."""
+        with self._cond:
+            if self._closed or len(self._pending) >= self._max_pending:
+                return False
+            self._pending[entry.key.digest] = entry
+            self._cond.notify_all()
+            return True
+
+    def cancel(self, digest: str) -> None:
+        """Forget a pending write of `digest`, and wait out one in flight."""
+        with self._cond:
+            self._pending.pop(digest, None)
+            self._cond.wait_for(lambda: self._writing != digest)
+
+    def cancel_all(self) -> None:
+        with self._cond:
+            self._pending.clear()
+            self._cond.wait_for(lambda: self._writing is None)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and self._writing is None, timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        finished = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify_all()
+        if not finished:
+            log.warning("disk writes still pending after %.0fs at shutdown; dropped", timeout_s)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while (entry := self._next()) is not None:
+            try:
+                self._write(entry)
+            except Exception:  # the writer must outlive any one bad write
+                log.exception("disk cache write failed")
+            finally:
+                with self._cond:
+                    self._writing = None
+                    self._cond.notify_all()
+
+    def _next(self) -> CacheEntry | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending or self._closed)
+            if self._closed:
+                return None
+            digest = next(iter(self._pending))
+            self._writing = digest
+            return self._pending.pop(digest)
+
+
+def _ram_info(entry: CacheEntry) -> EntryInfo:
+    return EntryInfo(entry.key.digest, entry.group_id, entry.tool_names, entry.num_tokens,
+                     entry.num_bytes, ("ram",), entry.hits, entry.created_at, entry.last_used_at)
+
+
+def _disk_info(record: DiskRecord) -> EntryInfo:
+    return EntryInfo(record.digest, record.group_id, record.tool_names, record.num_tokens,
+                     record.num_bytes, ("disk",), 0, record.created_at, record.last_used_at)
+
+
+def _with_disk(info: EntryInfo) -> EntryInfo:
+    return EntryInfo(info.digest, info.group_id, info.tool_names, info.num_tokens, info.num_bytes,
+                     ("ram", "disk"), info.hits, info.created_at, info.last_used_at)

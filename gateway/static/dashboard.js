@@ -1,0 +1,400 @@
+// The toolkv dashboard: polls /v1/dashboard/stats and renders the totals, the TTFT chart and the
+// tool-group table; the playground streams /v1/chat/completions with and without the cache.
+// No dependencies, no build step: served as is from the gateway package.
+(() => {
+  "use strict";
+
+  const POLL_MS = 2000;
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  const BYPASS_HEADER = "X-Toolkv-Cache";
+  const $ = (id) => document.getElementById(id);
+
+  const EXAMPLE_TOOLS = [
+    {type: "function", function: {
+      name: "get_weather", description: "Get the current weather for a city.",
+      parameters: {type: "object", properties: {
+        city: {type: "string", description: "City name, e.g. Paris"},
+        unit: {type: "string", enum: ["celsius", "fahrenheit"]}}, required: ["city"]}}},
+    {type: "function", function: {
+      name: "search_flights", description: "Search one-way flights between two airports on a date.",
+      parameters: {type: "object", properties: {
+        origin: {type: "string", description: "IATA code of the departure airport"},
+        destination: {type: "string", description: "IATA code of the arrival airport"},
+        date: {type: "string", description: "Departure date, YYYY-MM-DD"}},
+        required: ["origin", "destination", "date"]}}},
+    {type: "function", function: {
+      name: "create_calendar_event", description: "Create an event in the user's calendar.",
+      parameters: {type: "object", properties: {
+        title: {type: "string"}, start: {type: "string", description: "ISO 8601 start time"},
+        duration_minutes: {type: "integer", minimum: 1}}, required: ["title", "start"]}}},
+  ];
+
+  // ---- formatting ------------------------------------------------------------------------------
+
+  const fmt = {
+    pct: (x) => (x == null ? "—" : `${(100 * x).toFixed(1)}%`),
+    int: (x) => (x == null ? "—" : Math.round(x).toLocaleString("en-US")),
+    ms(x) {
+      if (x == null || !isFinite(x)) return "—";
+      if (x >= 1000) return `${(x / 1000).toFixed(2)} s`;
+      return x < 10 ? `${x.toFixed(1)} ms` : `${Math.round(x)} ms`;
+    },
+    bytes(n) {
+      const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+      let i = 0;
+      while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+      return `${i ? n.toFixed(1) : Math.round(n)} ${units[i]}`;
+    },
+    ago(t) {
+      const s = Math.max(0, Date.now() / 1000 - t);
+      if (s < 60) return `${Math.round(s)} s ago`;
+      return s < 3600 ? `${Math.round(s / 60)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+    },
+    clock: (t) => new Date(t * 1000).toLocaleTimeString("en-GB"),
+  };
+
+  const sum = (obj) => Object.values(obj || {}).reduce((a, b) => a + b, 0);
+
+  // ---- polling ---------------------------------------------------------------------------------
+
+  let inFlight = null;
+  let timer = null;
+
+  async function fetchStats() {
+    const resp = await fetch("/v1/dashboard/stats", {cache: "no-store"});
+    if (!resp.ok) throw new Error(`stats: HTTP ${resp.status}`);
+    return resp.json();
+  }
+
+  function poll() {
+    if (inFlight) return inFlight;
+    clearTimeout(timer);
+    inFlight = fetchStats()
+      .then(render, () => setStatus("unreachable"))
+      .finally(() => { inFlight = null; timer = setTimeout(poll, POLL_MS); });
+    return inFlight;
+  }
+
+  async function refresh() {  // fresh numbers now, not those of a poll already under way
+    if (inFlight) await inFlight;
+    return poll();
+  }
+
+  function setStatus(status) {
+    const pill = $("status");
+    pill.dataset.status = status;
+    pill.textContent = {ok: "ready", loading: "model loading…"}[status] || status;
+  }
+
+  function render(stats) {
+    setStatus(stats.status);
+    $("model").textContent = `model: ${stats.model || "…"}`;
+    $("updated").textContent = `updated ${fmt.clock(Date.now() / 1000)}`;
+    renderTotals(stats.totals);
+    renderLatestTtft(stats.ttft_windows);
+    renderChart(stats.ttft_windows, stats.window_s);
+    renderGroups(stats.groups);
+  }
+
+  function renderTotals(t) {
+    const hits = t.lookups.hit || 0;
+    const misses = t.lookups.miss || 0;
+    $("hit-rate").textContent = fmt.pct(t.hit_rate);
+    $("hit-detail").textContent = hits + misses
+      ? `${fmt.int(hits)} hits, ${fmt.int(misses)} misses, ${fmt.int(t.lookups.bypass || 0)} bypassed`
+      : "no lookups yet";
+    $("cached-share").textContent = fmt.pct(t.cached_share);
+    $("cached-detail").textContent = `${fmt.int(t.cached_tokens)} of ${fmt.int(t.prompt_tokens)} tokens`;
+    $("requests-total").textContent = fmt.int(t.requests);
+    $("requests-detail").textContent =
+      `${fmt.int(t.errors)} errors, ${fmt.int(t.generated_tokens)} tokens generated`;
+    $("cache-bytes").textContent = fmt.bytes(t.cache_bytes.ram || 0);
+    $("cache-entries").textContent = `${fmt.int(t.cache_entries.ram || 0)} entries`;
+  }
+
+  function renderLatestTtft(windows) {
+    for (const label of ["hit", "miss"]) {
+      const latest = windows.filter((w) => w[label]).pop();
+      $(`ttft-${label}`).textContent = latest ? fmt.ms(latest[label].p50_ms) : "—";
+    }
+  }
+
+  // ---- chart -----------------------------------------------------------------------------------
+
+  const CHART = {width: 800, height: 240, left: 64, right: 12, top: 12, bottom: 26};
+  const SERIES = [["hit", "p50_ms"], ["hit", "p95_ms"], ["miss", "p50_ms"], ["miss", "p95_ms"]];
+
+  function svg(name, attrs, text) {
+    const node = document.createElementNS(SVG_NS, name);
+    for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+    if (text != null) node.textContent = text;
+    return node;
+  }
+
+  function renderChart(windows, windowS) {
+    const chart = $("ttft-chart");
+    const points = windows.filter((w) => w.hit || w.miss);
+    chart.replaceChildren();
+    chart.dataset.points = String(points.length);
+    $("chart-note").textContent = `One point per ${windowS} s window; p50/p95 from the TTFT histogram.`;
+    if (!points.length) {
+      chart.append(svg("text", {x: CHART.width / 2, y: CHART.height / 2, "text-anchor": "middle",
+        class: "empty"}, "No hits or misses yet: send a request from the playground."));
+      return;
+    }
+    const scale = chartScale(points, windowS);
+    drawAxes(chart, scale);
+    for (const [label, field] of SERIES) drawSeries(chart, scale, points, label, field, windowS);
+  }
+
+  function chartScale(points, windowS) {
+    const now = Date.now() / 1000;
+    const tMax = Math.max(now, points[points.length - 1].t + windowS);
+    const tMin = Math.min(points[0].t, tMax - 300);
+    const peak = Math.max(...points.flatMap((w) => ["hit", "miss"].map((l) => (w[l] ? w[l].p95_ms : 0))));
+    const yMax = niceCeil(peak * 1.1 || 1);
+    const {width, height, left, right, top, bottom} = CHART;
+    return {
+      tMin, tMax, yMax,
+      x: (t) => left + ((t - tMin) / (tMax - tMin)) * (width - left - right),
+      y: (v) => height - bottom - (v / yMax) * (height - top - bottom),
+    };
+  }
+
+  function niceCeil(v) {
+    const step = 10 ** Math.floor(Math.log10(v));
+    return [1, 2, 2.5, 5, 10].map((m) => m * step).find((c) => c >= v);
+  }
+
+  function drawAxes(chart, s) {
+    for (let i = 0; i <= 4; i += 1) {
+      const v = (s.yMax * i) / 4;
+      chart.append(svg("line", {x1: CHART.left, x2: CHART.width - CHART.right, y1: s.y(v), y2: s.y(v),
+        class: "grid"}));
+      chart.append(svg("text", {x: CHART.left - 6, y: s.y(v) + 4, "text-anchor": "end", class: "axis"},
+        fmt.ms(v)));
+    }
+    for (const t of [s.tMin, (s.tMin + s.tMax) / 2, s.tMax]) {
+      chart.append(svg("text", {x: s.x(t), y: CHART.height - 6, "text-anchor": "middle", class: "axis"},
+        fmt.clock(t)));
+    }
+  }
+
+  function drawSeries(chart, s, points, label, field, windowS) {
+    const own = points.filter((w) => w[label]);
+    if (!own.length) return;
+    const xy = own.map((w) => [s.x(w.t + windowS / 2), s.y(w[label][field])]);
+    const kind = field.slice(0, 3);
+    chart.append(svg("polyline", {points: xy.map((p) => p.join(",")).join(" "),
+      class: `series ${label} ${kind}`}));
+    own.forEach((w, i) => {
+      const dot = svg("circle", {cx: xy[i][0], cy: xy[i][1], r: 3, class: label});
+      dot.append(svg("title", {}, `${fmt.clock(w.t)} ${label} ${kind}: ${fmt.ms(w[label][field])}` +
+        ` (${w[label].count} requests)`));
+      chart.append(dot);
+    });
+  }
+
+  // ---- tool groups -----------------------------------------------------------------------------
+
+  function renderGroups(groups) {
+    const body = $("groups").tBodies[0];
+    body.replaceChildren(...groups.map(groupRow));
+    $("groups-empty").hidden = groups.length > 0;
+  }
+
+  function groupRow(g) {
+    const row = document.createElement("tr");
+    const shown = g.tool_names.slice(0, 8).join(", ");
+    const more = g.tool_names.length > 8 ? ` +${g.tool_names.length - 8} more` : "";
+    const cells = [
+      [g.group_id.slice(0, 12), "mono", g.group_id], [shown + more, "tools", g.tool_names.join(", ")],
+      [fmt.int(g.num_tokens), "num"], [fmt.bytes(g.num_bytes), "num"], [fmt.int(g.hits), "num"],
+      [g.tier, ""], [fmt.ago(g.last_used_at), ""],
+    ];
+    for (const [text, cls, title] of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      if (cls) cell.className = cls;
+      if (title) cell.title = title;
+      row.append(cell);
+    }
+    return row;
+  }
+
+  // ---- playground: requests --------------------------------------------------------------------
+
+  function readTools() {
+    const raw = $("play-tools").value.trim();
+    if (!raw) return [];
+    let parsed;
+    try { parsed = JSON.parse(raw); } catch (err) { throw new Error(`Tools are not valid JSON: ${err.message}`); }
+    if (parsed && !Array.isArray(parsed) && Array.isArray(parsed.tools)) parsed = parsed.tools;
+    if (!Array.isArray(parsed)) throw new Error("Tools must be a JSON array of tools (or {\"tools\": [...]}).");
+    return parsed.map((t) => (t && t.type ? t : {type: "function", function: t}));
+  }
+
+  function requestBody() {
+    const message = $("play-message").value.trim();
+    if (!message) throw new Error("Write a message to send.");
+    const tools = readTools();
+    const body = {messages: [{role: "user", content: message}], temperature: 0, stream: true,
+      stream_options: {include_usage: true}, max_tokens: Number($("play-max-tokens").value) || 64};
+    if (tools.length) body.tools = tools;
+    return body;
+  }
+
+  async function* sseEvents(resp) {
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) return;
+      buffer = (buffer + decoder.decode(value, {stream: true})).replace(/\r\n/g, "\n");
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const lines = buffer.slice(0, cut).split("\n").filter((l) => l.startsWith("data:"));
+        buffer = buffer.slice(cut + 2);
+        const data = lines.map((l) => l.slice(5).trimStart()).join("\n");
+        if (data === "[DONE]") return;
+        if (data) yield JSON.parse(data);
+      }
+    }
+  }
+
+  async function errorMessage(resp) {
+    try {
+      const body = await resp.json();
+      return `HTTP ${resp.status}: ${body.error ? body.error.message : JSON.stringify(body)}`;
+    } catch {
+      return `HTTP ${resp.status}`;
+    }
+  }
+
+  async function streamCompletion(body, bypass, onUpdate) {
+    const headers = {"Content-Type": "application/json"};
+    if (bypass) headers[BYPASS_HEADER] = "bypass";
+    const key = $("play-key").value.trim();
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const started = performance.now();
+    const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify(body)});
+    if (!resp.ok) throw new Error(await errorMessage(resp));
+    const out = {ttftMs: null, totalMs: null, usage: null, content: "", calls: []};
+    for await (const chunk of sseEvents(resp)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) out.usage = chunk.usage;
+      for (const choice of chunk.choices || []) applyDelta(out, choice.delta || {}, started);
+      onUpdate(out);
+    }
+    out.totalMs = performance.now() - started;
+    if (out.ttftMs == null) out.ttftMs = out.totalMs;
+    return out;
+  }
+
+  function applyDelta(out, delta, started) {
+    const calls = delta.tool_calls || [];
+    if (out.ttftMs == null && (delta.content || calls.length)) out.ttftMs = performance.now() - started;
+    if (delta.content) out.content += delta.content;
+    for (const call of calls) {
+      const slot = out.calls[call.index] || (out.calls[call.index] = {name: "", arguments: ""});
+      if (call.function && call.function.name) slot.name = call.function.name;
+      if (call.function && call.function.arguments) slot.arguments += call.function.arguments;
+    }
+  }
+
+  const answerText = (out) =>
+    [out.content, ...out.calls.filter(Boolean).map((c) => `→ ${c.name}(${c.arguments})`)].filter(Boolean).join("\n");
+
+  // ---- playground: panels ----------------------------------------------------------------------
+
+  const field = (panel, name) => panel.querySelector(`[data-field="${name}"]`);
+
+  function resetPanel(panel, state) {
+    panel.dataset.state = state;
+    for (const dd of panel.querySelectorAll("dd")) dd.textContent = "—";
+    field(panel, "answer").textContent = "";
+    const badge = field(panel, "result");
+    if (badge) { badge.textContent = ""; delete badge.dataset.result; }
+  }
+
+  function fillPanel(panel, out) {
+    const usage = out.usage || {};
+    const details = usage.prompt_tokens_details || {};
+    field(panel, "ttft").textContent = fmt.ms(out.ttftMs);
+    field(panel, "cached").textContent = fmt.int(details.cached_tokens ?? 0);
+    field(panel, "prompt").textContent = fmt.int(usage.prompt_tokens);
+    field(panel, "completion").textContent = fmt.int(usage.completion_tokens);
+    field(panel, "total").textContent = fmt.ms(out.totalMs);
+    field(panel, "answer").textContent = answerText(out) || "(empty answer)";
+  }
+
+  async function lookupCounts() {
+    try { return (await fetchStats()).totals.lookups; } catch { return null; }
+  }
+
+  // The one lookup result that grew by one during the run, if the server saw no other traffic.
+  function lookupResult(before, after) {
+    if (!before || !after) return null;
+    const grown = Object.keys(after).filter((k) => (after[k] || 0) > (before[k] || 0));
+    const total = sum(after) - sum(before);
+    return grown.length === 1 && total === 1 ? grown[0] : null;
+  }
+
+  async function runPanel(panel, body, bypass) {
+    resetPanel(panel, "running");
+    const before = bypass ? null : await lookupCounts();
+    try {
+      const out = await streamCompletion(body, bypass, (partial) => {
+        field(panel, "answer").textContent = answerText(partial);
+      });
+      fillPanel(panel, out);
+      if (!bypass) showResult(panel, lookupResult(before, await lookupCounts()));
+      panel.dataset.state = "done";
+      return out;
+    } catch (err) {
+      field(panel, "answer").textContent = err.message;
+      panel.dataset.state = "error";
+      return null;
+    }
+  }
+
+  function showResult(panel, result) {
+    if (!result) return;
+    const badge = field(panel, "result");
+    badge.dataset.result = result;
+    badge.textContent = {hit: "cache hit", miss: "miss: prefix compiled and stored",
+      skip: "prefix too short to cache"}[result] || result;
+  }
+
+  async function onSend(event) {
+    event.preventDefault();
+    const error = $("play-error");
+    error.textContent = "";
+    let body;
+    try { body = requestBody(); } catch (err) { error.textContent = err.message; return; }
+    const button = $("play-send");
+    button.disabled = true;
+    $("play-compare-note").textContent = "";
+    try {
+      const cached = await runPanel($("run-cache"), body, false);
+      const compare = $("play-compare").checked;
+      if (!compare) resetPanel($("run-bypass"), "skipped");
+      const plain = compare ? await runPanel($("run-bypass"), body, true) : null;
+      if (cached && plain) {
+        $("play-compare-note").textContent = answerText(cached) === answerText(plain)
+          ? "Same answer with and without the cache (greedy decoding)."
+          : "The answers differ.";
+      }
+    } finally {
+      button.disabled = false;
+      await refresh();
+    }
+  }
+
+  // ---- start -----------------------------------------------------------------------------------
+
+  $("play-tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
+  $("play-form").addEventListener("submit", onSend);
+  poll();
+})();

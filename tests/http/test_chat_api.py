@@ -1,0 +1,140 @@
+"""The chat API as an OpenAI client sees it: shapes (validated against OpenAI's schemas),
+streaming, usage with cached tokens, and errors in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+SYSTEM = {"role": "system", "content": "You are a merchant assistant."}
+
+
+def ask(question: str) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": question}]
+
+
+def sse_events(live, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[str]:
+    with httpx.stream("POST", live.api_url + "/chat/completions", json=body, headers=headers,
+                      timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_non_stream_response_has_openai_shape_and_cached_tokens(client, merchant_tools, openai_schema):
+    first = client.chat.completions.create(model="tiny-llama", messages=ask("GMV?"), tools=merchant_tools[:5],
+                                           tool_choice="none", temperature=0, max_tokens=8)
+    second = client.chat.completions.create(model="tiny-llama", messages=ask("Refunds?"), tools=merchant_tools[:5],
+                                            tool_choice="none", temperature=0, max_tokens=8)
+    for resp in (first, second):
+        openai_schema("CreateChatCompletionResponse", resp.model_dump(exclude_unset=True))
+        assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+        assert resp.choices[0].message.role == "assistant"
+        assert resp.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # never seen: a miss computes
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
+
+
+def test_stream_chunks_follow_openai_protocol(live, merchant_tools, openai_schema):
+    body = {"model": "tiny-llama", "messages": ask("Top products?"), "tools": merchant_tools[:3],
+            "tool_choice": "none", "temperature": 0, "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(live, body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks:
+        openai_schema("CreateChatCompletionStreamResponse", chunk)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len({c["id"] for c in chunks}) == 1
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert [f for f in finishes if f is not None] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert "cached_tokens" in chunks[-1]["usage"]["prompt_tokens_details"]
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(live):
+    body = {"messages": ask("Hi"), "max_tokens": 4, "temperature": 0, "stream": True}
+    chunks = [json.loads(e) for e in sse_events(live, body)[:-1]]
+    assert all(c["choices"] for c in chunks)
+    assert all("usage" not in c for c in chunks)
+
+
+def test_stream_text_equals_non_stream_text(client, merchant_tools):
+    args = dict(model="tiny-llama", messages=ask("Inventory?"), tools=merchant_tools[:4], tool_choice="none",
+                temperature=0, max_tokens=12)
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True)
+                       if c.choices)
+    assert streamed == whole
+
+
+def test_bypass_header_computes_everything_and_matches(client, merchant_tools):
+    args = dict(model="tiny-llama", messages=ask("Orders?"), tools=merchant_tools[:5], tool_choice="none",
+                temperature=0, max_tokens=12)
+    cached = client.chat.completions.create(**args)
+    cached = client.chat.completions.create(**args)
+    plain = client.chat.completions.create(**args, extra_headers={"X-Toolkv-Cache": "bypass"})
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert plain.choices[0].message.content == cached.choices[0].message.content
+
+
+def test_message_forms_are_accepted(client):
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Look up order 7"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_order", "arguments": "{\"id\": 7}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"status\": \"shipped\"}"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    resp = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=3, temperature=0,
+                                          seed=1, top_p=0.5, user="u1", prompt_cache_key="k",
+                                          extra_body={"some_vendor_field": True})
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
+    ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400, "max_tokens", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "a"}}],
+      "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400, "tool_choice", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools[0].function", None),
+])
+def test_bad_requests_get_openai_error_envelopes(live, body, status, param, code):
+    resp = httpx.post(live.api_url + "/chat/completions", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert code is None or error["code"] == code
+    assert error["message"]
+
+
+def test_invalid_json_and_unknown_route_are_enveloped(live):
+    bad = httpx.post(live.api_url + "/chat/completions", content=b"{not json", timeout=10)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    missing = httpx.get(live.base_url + "/v1/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny-llama", messages=ask("x"), n=3)
+    assert info.value.body["param"] == "n"
