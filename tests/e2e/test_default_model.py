@@ -1,0 +1,83 @@
+"""End to end: `toolkv serve` in its own process on the embedded SmolLM2 model, driven by the
+openai SDK. The second request with the same 20 tools is served from the cache, with the same
+text as a request that bypasses it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.server import free_port, wait_until_ready
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = {"role": "system", "content": "You are the back-office assistant of an online shop."}
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKV_")}
+    log = tmp_path_factory.mktemp("e2e-log") / "server.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
+           "--cache-dir", str(tmp_path_factory.mktemp("e2e-cache"))]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parents[2])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        status = wait_until_ready(base)
+        assert status["status"] == "ok", log.read_text()[-3000:]
+        yield base + "/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tools20(merchant_tools):
+    return merchant_tools[:20]
+
+
+def ask(client: openai.OpenAI, tools, question: str, **extra):
+    return client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[SYSTEM, {"role": "user", "content": question}],
+        tools=tools, tool_choice="none", temperature=0, max_tokens=24, **extra)
+
+
+def test_second_request_hits_the_whole_prefix_with_bypass_identical_text(client, tools20, openai_schema):
+    first = ask(client, tools20, "What was our GMV last week?")
+    second = ask(client, tools20, "How many refunds were issued yesterday?")
+    plain = ask(client, tools20, "How many refunds were issued yesterday?",
+                extra_headers={"X-Toolkv-Cache": "bypass"})
+    openai_schema("CreateChatCompletionResponse", second.model_dump(exclude_unset=True))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 2000  # the system prompt and all 20 tool schemas
+    assert second.usage.prompt_tokens - cached < 40  # only the user's turn was computed
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message.content == plain.choices[0].message.content
+    assert second.choices[0].message.content
+
+
+def test_streamed_hit_equals_the_non_streamed_hit(client, tools20, openai_schema):
+    question = "Which channel sold the most this month?"
+    whole = ask(client, tools20, question)
+    chunks = list(ask(client, tools20, question, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        openai_schema("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens > 2000

@@ -1,0 +1,39 @@
+"""Settings: TOML file, TOOLKV_* overrides, and loud failures that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli import main
+from gateway.settings import SettingsError, load_settings
+
+
+def test_file_then_env_then_overrides(tmp_path):
+    config = tmp_path / "t.toml"
+    config.write_text('port = 9000\nmin_prefix_tokens = 10\ncache = "off"\n')
+    settings = load_settings(config, {"port": 9100}, environ={"TOOLKV_MIN_PREFIX_TOKENS": "20"})
+    assert (settings.port, settings.min_prefix_tokens, settings.cache_enabled) == (9100, 20, False)
+
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    config = tmp_path / "t.toml"
+    config.write_text("prot = 9000\n")
+    with pytest.raises(SettingsError, match="prot"):
+        load_settings(config, environ={})
+
+
+def test_bad_value_is_named():
+    with pytest.raises(SettingsError, match="'dtype'"):
+        load_settings(environ={"TOOLKV_DTYPE": "float7"})
+
+
+def test_unknown_env_var_is_named():
+    with pytest.raises(SettingsError, match="TOOLKV_CACHE_SIZE"):
+        load_settings(environ={"TOOLKV_CACHE_SIZE": "1"})
+
+
+def test_serve_refuses_to_start_with_bad_settings(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "bad.toml"
+    config.write_text('port = "eighty"\n')
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "port" in capsys.readouterr().err
