@@ -20,7 +20,9 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import cache_routes, dashboard, protocol
-from gateway.errors import APIError, BadRequest, ModelLoadFailed, ModelLoading, ModelNotFound, PayloadTooLarge
+from gateway.auth import KeyRing
+from gateway.errors import APIError, BadRequest, ModelLoadFailed, ModelLoading, ModelNotFound
+from gateway.limits import BodySizeLimit, check_request_limits
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.runtime import Runtime, build_runtime
@@ -49,6 +51,10 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     app.state.runtime = None
     app.state.load_error = None
     app.state.started_at = int(time.time())
+    app.state.keyring = KeyRing(settings)
+    if app.state.keyring.open:
+        log.warning("no API keys configured: the gateway is open to anyone who can reach %s", settings.host)
+    app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes)
     _install_error_handlers(app)
     _install_routes(app)
     app.include_router(cache_routes.router)
@@ -89,6 +95,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
+        request.app.state.keyring.tenant(request)
         runtime = _runtime(request)
         return JSONResponse(protocol.model_list(runtime.model_name, request.app.state.started_at))
 
@@ -101,13 +108,16 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        tenant = request.app.state.keyring.tenant(request)
         req = await _parse_chat_request(request)
+        check_request_limits(req, request.app.state.settings)
         runtime = _runtime(request)
         if req.model and req.model not in runtime.model_aliases:
             raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
                                 f"'{runtime.model_name}'", param="model")
         bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
         prepared = runtime.service.prepare(req, bypass=bypass)
+        prepared.job.salt = request.app.state.keyring.salt_for(tenant, prepared.group_id)
         if not req.stream:
             return JSONResponse(await runtime.service.complete(prepared))
         chunks = runtime.service.stream(prepared, req.include_usage)
@@ -116,10 +126,7 @@ def _install_routes(app: FastAPI) -> None:
 
 
 async def _parse_chat_request(request: Request) -> ChatCompletionRequest:
-    limit = request.app.state.settings.max_request_bytes
-    body = await request.body()
-    if len(body) > limit:
-        raise PayloadTooLarge(f"the request body is {len(body)} bytes; the limit is {limit}")
+    body = await request.body()  # already bounded by BodySizeLimit
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

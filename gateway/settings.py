@@ -55,6 +55,14 @@ class Settings(BaseModel):
     # limits on input
     max_request_bytes: int = Field(4 * 1024**2, ge=1024)
     max_tools: int = Field(256, ge=1)
+    max_tool_schema_bytes: int = Field(64 * 1024, ge=256)  # one tool's JSON
+    max_schema_depth: int = Field(24, ge=2)
+    max_messages: int = Field(1024, ge=1)
+
+    # keys and tenants (keys are never logged)
+    api_keys: tuple[str, ...] = ()  # empty: the gateway is open
+    admin_key: str | None = None  # for /v1/cache management; falls back to open only when no keys exist
+    shared_groups: tuple[str, ...] = ()  # tool-group ids every tenant may share on purpose
 
     @property
     def cache_enabled(self) -> bool:
@@ -100,21 +108,23 @@ def _read_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX) :].lower()
-        if key in _ENV_ONLY:
-            continue
         if key not in known:
             raise SettingsError(f"unknown setting {name} (known: {', '.join(sorted(known))})")
-        values[key] = raw
+        values[key] = _split(raw) if key in _LIST_KEYS else raw
     return values
 
 
-# Read elsewhere (API keys), not part of the settings file.
-_ENV_ONLY = {"api_keys", "admin_key"}
+_LIST_KEYS = {"api_keys", "shared_groups"}  # comma-separated in the environment
+
+
+def _split(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
 def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"]) or "settings"
-        lines.append(f"setting '{key}': {err['msg']} (got {err.get('input')!r})")
+        shown = "<hidden>" if key.startswith(("api_keys", "admin_key")) else repr(err.get("input"))
+        lines.append(f"setting '{key}': {err['msg']} (got {shown})")
     return "invalid settings: " + "; ".join(lines)
