@@ -59,6 +59,7 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     _install_routes(app)
     app.include_router(cache_routes.router)
     app.include_router(dashboard.router)
+    app.openapi = lambda: _openapi_with_chat_body(app)  # type: ignore[method-assign]
     return app
 
 
@@ -195,3 +196,22 @@ def protocol_error(message: str, error_type: str, code: str | None) -> dict[str,
 
     return error_envelope(message, error_type, None, code)
 
+
+
+def _openapi_with_chat_body(app: FastAPI) -> dict[str, Any]:
+    """The chat route parses its own body (to word errors as OpenAI does), so its schema is added here."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(body.pop("$defs", {}))
+    components["ChatCompletionRequest"] = body
+    schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+    }
+    app.openapi_schema = schema
+    return schema

@@ -24,13 +24,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
-    built: dict[tuple[str, int], Path] = {}
+    built: dict[tuple[str, int, int], Path] = {}
 
-    def make(arch: str = "llama", seed: int = 0) -> Path:
-        if (arch, seed) not in built:
-            target = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}")
-            built[(arch, seed)] = build_tiny_model(arch, target, tokenizer_dir, seed)
-        return built[(arch, seed)]
+    def make(arch: str = "llama", seed: int = 0, context: int = 4096) -> Path:
+        if (arch, seed, context) not in built:
+            target = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}-{context}")
+            built[(arch, seed, context)] = build_tiny_model(arch, target, tokenizer_dir, seed, context)
+        return built[(arch, seed, context)]
 
     return make
 

@@ -26,12 +26,13 @@ def save_tokenizer(target: Path) -> Path:
     return target
 
 
-def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0, context: int = 4096) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     extra = {"sliding_window": None} if arch == "mistral" else {}
+    dims = dict(_DIMS, max_position_embeddings=context)
     config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, **_DIMS, **extra)
+                        eos_token_id=tokenizer.eos_token_id, **dims, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(target)
