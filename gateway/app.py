@@ -123,7 +123,8 @@ def _install_routes(app: FastAPI) -> None:
             return JSONResponse(await runtime.service.complete(prepared))
         chunks = runtime.service.stream(prepared, req.include_usage)
         first = await anext(chunks)  # errors before the first byte become plain HTTP errors
-        return EventSourceResponse(_sse(first, chunks), sep="\n", ping=15)
+        grace_s = request.app.state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
+        return EventSourceResponse(_sse(first, chunks), sep="\n", ping=15, shutdown_grace_period=grace_s)
 
 
 async def _parse_chat_request(request: Request) -> ChatCompletionRequest:

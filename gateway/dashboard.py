@@ -42,6 +42,9 @@ async def static_asset(name: str) -> FileResponse:
 @router.get("/v1/dashboard/stats")
 async def stats(request: Request) -> JSONResponse:
     app = request.app
+    keyring = getattr(app.state, "keyring", None)
+    if keyring is not None:  # tool names of every tenant: admin only once keys are configured
+        keyring.admin(request)
     runtime = app.state.runtime
     if runtime is not None:
         runtime.refresh_gauges()
@@ -136,12 +139,14 @@ class HistogramState:
     def minus(self, before: HistogramState | None) -> HistogramState:
         if before is None:
             return self
-        return HistogramState([a - b for a, b in zip(self.counts, before.counts)], self.sum_s - before.sum_s)
+        counts = [a - b for a, b in zip(self.counts, before.counts, strict=True)]
+        return HistogramState(counts, self.sum_s - before.sum_s)
 
     def plus(self, other: HistogramState) -> HistogramState:
         if not self.counts:
             return other
-        return HistogramState([a + b for a, b in zip(self.counts, other.counts)], self.sum_s + other.sum_s)
+        counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        return HistogramState(counts, self.sum_s + other.sum_s)
 
 
 @dataclass(slots=True)

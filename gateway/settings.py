@@ -29,6 +29,7 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     log_json: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_grace_s: float = Field(30.0, ge=0)  # on SIGTERM, requests in flight get this long to finish
 
     # model
     model: str = DEFAULT_MODEL  # "smollm2", a local HF directory, a .gguf path or a hub id

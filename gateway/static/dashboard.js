@@ -36,6 +36,7 @@
     int: (x) => (x == null ? "—" : Math.round(x).toLocaleString("en-US")),
     ms(x) {
       if (x == null || !isFinite(x)) return "—";
+      if (x === 0) return "0 ms";
       if (x >= 1000) return `${(x / 1000).toFixed(2)} s`;
       return x < 10 ? `${x.toFixed(1)} ms` : `${Math.round(x)} ms`;
     },
@@ -53,6 +54,7 @@
     clock: (t) => new Date(t * 1000).toLocaleTimeString("en-GB"),
   };
 
+  const plural = (n, one, many = `${one}s`) => `${fmt.int(n)} ${n === 1 ? one : many}`;
   const sum = (obj) => Object.values(obj || {}).reduce((a, b) => a + b, 0);
 
   // ---- polling ---------------------------------------------------------------------------------
@@ -60,8 +62,16 @@
   let inFlight = null;
   let timer = null;
 
+  class Locked extends Error {}
+
+  function authHeaders() {
+    const key = $("api-key").value.trim();
+    return key ? {Authorization: `Bearer ${key}`} : {};
+  }
+
   async function fetchStats() {
-    const resp = await fetch("/v1/dashboard/stats", {cache: "no-store"});
+    const resp = await fetch("/v1/dashboard/stats", {cache: "no-store", headers: authHeaders()});
+    if (resp.status === 401 || resp.status === 403) throw new Locked(await errorMessage(resp));
     if (!resp.ok) throw new Error(`stats: HTTP ${resp.status}`);
     return resp.json();
   }
@@ -70,7 +80,7 @@
     if (inFlight) return inFlight;
     clearTimeout(timer);
     inFlight = fetchStats()
-      .then(render, () => setStatus("unreachable"))
+      .then(render, (err) => setStatus(err instanceof Locked ? "locked" : "unreachable"))
       .finally(() => { inFlight = null; timer = setTimeout(poll, POLL_MS); });
     return inFlight;
   }
@@ -83,7 +93,8 @@
   function setStatus(status) {
     const pill = $("status");
     pill.dataset.status = status;
-    pill.textContent = {ok: "ready", loading: "model loading…"}[status] || status;
+    pill.textContent = {ok: "ready", loading: "model loading…",
+      locked: "enter the admin key to see the numbers"}[status] || status;
   }
 
   function render(stats) {
@@ -101,7 +112,7 @@
     const misses = t.lookups.miss || 0;
     $("hit-rate").textContent = fmt.pct(t.hit_rate);
     $("hit-detail").textContent = hits + misses
-      ? `${fmt.int(hits)} hits, ${fmt.int(misses)} misses, ${fmt.int(t.lookups.bypass || 0)} bypassed`
+      ? `${plural(hits, "hit")}, ${plural(misses, "miss", "misses")}, ${fmt.int(t.lookups.bypass || 0)} bypassed`
       : "no lookups yet";
     $("cached-share").textContent = fmt.pct(t.cached_share);
     $("cached-detail").textContent = `${fmt.int(t.cached_tokens)} of ${fmt.int(t.prompt_tokens)} tokens`;
@@ -109,7 +120,7 @@
     $("requests-detail").textContent =
       `${fmt.int(t.errors)} errors, ${fmt.int(t.generated_tokens)} tokens generated`;
     $("cache-bytes").textContent = fmt.bytes(t.cache_bytes.ram || 0);
-    $("cache-entries").textContent = `${fmt.int(t.cache_entries.ram || 0)} entries`;
+    $("cache-entries").textContent = plural(t.cache_entries.ram || 0, "entry", "entries");
   }
 
   function renderLatestTtft(windows) {
@@ -174,8 +185,9 @@
       chart.append(svg("text", {x: CHART.left - 6, y: s.y(v) + 4, "text-anchor": "end", class: "axis"},
         fmt.ms(v)));
     }
-    for (const t of [s.tMin, (s.tMin + s.tMax) / 2, s.tMax]) {
-      chart.append(svg("text", {x: s.x(t), y: CHART.height - 6, "text-anchor": "middle", class: "axis"},
+    const ticks = [[s.tMin, "start"], [(s.tMin + s.tMax) / 2, "middle"], [s.tMax, "end"]];
+    for (const [t, anchor] of ticks) {
+      chart.append(svg("text", {x: s.x(t), y: CHART.height - 6, "text-anchor": anchor, class: "axis"},
         fmt.clock(t)));
     }
   }
@@ -273,10 +285,8 @@
   }
 
   async function streamCompletion(body, bypass, onUpdate) {
-    const headers = {"Content-Type": "application/json"};
+    const headers = {"Content-Type": "application/json", ...authHeaders()};
     if (bypass) headers[BYPASS_HEADER] = "bypass";
-    const key = $("play-key").value.trim();
-    if (key) headers.Authorization = `Bearer ${key}`;
     const started = performance.now();
     const resp = await fetch("/v1/chat/completions", {method: "POST", headers, body: JSON.stringify(body)});
     if (!resp.ok) throw new Error(await errorMessage(resp));
@@ -396,5 +406,6 @@
 
   $("play-tools").value = JSON.stringify(EXAMPLE_TOOLS, null, 2);
   $("play-form").addEventListener("submit", onSend);
+  $("api-key").addEventListener("change", refresh);
   poll();
 })();

@@ -1,0 +1,112 @@
+"""The dashboard's server side: the page and its assets come from the package (no CDN), and
+/v1/dashboard/stats reports what the gateway did; TTFT percentiles per window match Prometheus'."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.dashboard import STATIC_DIR, TtftWindows, quantile
+from gateway.metrics import Metrics
+from tests.observability.traffic import Exercised
+from tests.support.server import LiveServer
+
+
+def _stats(exercised: Exercised) -> dict[str, Any]:
+    resp = httpx.get(exercised.server.base_url + "/v1/dashboard/stats", timeout=30)
+    resp.raise_for_status()
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+def test_page_and_assets_are_served_from_the_package(exercised: Exercised) -> None:
+    base = exercised.server.base_url
+    page = httpx.get(base + "/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assets = re.findall(r'(?:src|href)="(/static/[^"]+)"', page.text)
+    assert {"/static/dashboard.js", "/static/dashboard.css"} <= set(assets)
+    for asset in assets:
+        resp = httpx.get(base + asset, timeout=30)
+        assert resp.status_code == 200, asset
+        assert resp.content == (STATIC_DIR / asset.removeprefix("/static/")).read_bytes()
+
+
+def test_no_asset_loads_anything_from_another_host() -> None:
+    for path in STATIC_DIR.iterdir():
+        text = path.read_text()
+        urls = set(re.findall(r"https?://[^\s\"'<>)]+", text)) - {"http://www.w3.org/2000/svg"}
+        assert not urls, path.name
+        assert not re.search(r"""(?:src|href)=["']//""", text), path.name
+
+
+@pytest.mark.parametrize("name", ["nope.js", "%2e%2e", "..%2Fdashboard.py", "dashboard.py", "index.txt"])
+def test_unknown_asset_is_a_404_envelope(exercised: Exercised, name: str) -> None:
+    resp = httpx.get(f"{exercised.server.base_url}/static/{name}", timeout=30)
+    assert resp.status_code == 404
+    assert set(resp.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_stats_need_the_admin_key_once_keys_are_configured(start_gateway: Callable[..., LiveServer]) -> None:
+    server = start_gateway(api_keys=("user-key",), admin_key="admin-key")
+    url = server.base_url + "/v1/dashboard/stats"
+    assert httpx.get(server.base_url + "/", timeout=30).status_code == 200  # the page holds no data
+    assert httpx.get(url, timeout=30).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer user-key"}, timeout=30).status_code == 403
+    assert httpx.get(url, headers={"Authorization": "Bearer admin-key"}, timeout=30).status_code == 200
+
+
+def test_stats_report_hit_rate_tokens_and_the_cached_tool_group(exercised: Exercised) -> None:
+    stats = _stats(exercised)
+    totals = stats["totals"]
+    assert stats["status"] == "ok"
+    assert totals["requests"] == 3 and totals["errors"] == 0
+    assert totals["lookups"] == {"hit": 1, "miss": 1, "bypass": 1}
+    assert totals["hit_rate"] == 0.5
+    assert totals["cached_tokens"] == sum(u.prompt_tokens_details.cached_tokens for u in exercised.usages)
+    assert totals["cache_entries"]["ram"] == 1
+    [group] = stats["groups"]
+    assert sorted(group["tool_names"]) == ["get_time", "get_weather"]
+    assert group["hits"] == 1 and group["tier"] == "ram"
+    assert group["num_tokens"] == totals["cached_tokens"] and group["num_bytes"] == totals["cache_bytes"]["ram"]
+
+
+def test_stats_chart_a_ttft_point_for_hits_and_misses(exercised: Exercised) -> None:
+    windows = _stats(exercised)["ttft_windows"]
+    seen = {label: sum(w[label]["count"] for w in windows if label in w) for label in ("hit", "miss", "bypass")}
+    assert seen == {"hit": 1, "miss": 1, "bypass": 1}
+    for window in windows:
+        for label in ("hit", "miss"):
+            if label in window:
+                assert 0 < window[label]["p50_ms"] <= window[label]["p95_ms"]
+
+
+def test_quantile_matches_prometheus_histogram_quantile() -> None:
+    bounds = [0.1, 0.5, 1.0]
+    cumulative = [2.0, 6.0, 10.0, 10.0]  # 2 in (0, .1], 4 in (.1, .5], 4 in (.5, 1], none above
+    assert quantile(0.5, bounds, cumulative) == pytest.approx(0.1 + 0.4 * (3 / 4))
+    assert quantile(0.95, bounds, cumulative) == pytest.approx(0.5 + 0.5 * (3.5 / 4))
+    assert quantile(0.99, bounds, [0.0, 0.0, 0.0, 5.0]) == 1.0  # all in +Inf: the highest bound
+
+
+def test_windows_hold_only_what_changed_since_the_previous_look() -> None:
+    metrics = Metrics()
+    windows = TtftWindows(window_s=10.0, max_windows=2)
+    metrics.ttft.labels(cache="hit").observe(0.03)
+    windows.sample(metrics.ttft, now_s=105.0)
+    windows.sample(metrics.ttft, now_s=108.0)  # nothing new: no new point
+    for value in (0.002, 0.003, 0.07):
+        metrics.ttft.labels(cache="miss").observe(value)
+    windows.sample(metrics.ttft, now_s=112.0)
+    first, second = windows.to_json()
+    assert first["t"] == 100.0 and first["hit"]["count"] == 1
+    assert first["hit"]["p50_ms"] == pytest.approx(30.0)  # one request is its own p50
+    assert second["t"] == 110.0 and "hit" not in second and second["miss"]["count"] == 3
+    assert second["miss"]["p50_ms"] == pytest.approx(4.0)  # rank 1.5 of 2 in (1 ms, 5 ms]
+    assert second["miss"]["p95_ms"] == pytest.approx(77.0)  # rank 2.85: 0.85 of the way in (60, 80]
+    metrics.ttft.labels(cache="hit").observe(0.01)
+    windows.sample(metrics.ttft, now_s=125.0)
+    assert [w["t"] for w in windows.to_json()] == [110.0, 120.0]  # bounded: the oldest is dropped

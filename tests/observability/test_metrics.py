@@ -1,0 +1,125 @@
+"""What a Prometheus server scrapes from a real gateway after real requests: every family with its
+type and labels, counters named `*_total`, vLLM's TTFT buckets, bounded label values, and counts
+that agree with what the clients were told."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.observability.traffic import Exercised, scrape
+
+# vLLM's time_to_first_token_seconds buckets, written out here so a change in gateway/metrics.py fails.
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+
+# Family name as the exposition parser reports it (counters without `_total`) -> (type, labels).
+EXPECTED_FAMILIES: dict[str, tuple[str, set[str]]] = {
+    "toolkv_requests": ("counter", {"status", "stream"}),
+    "toolkv_cache_lookups": ("counter", {"result", "tier"}),
+    "toolkv_prompt_tokens": ("counter", set()),
+    "toolkv_prompt_tokens_cached": ("counter", set()),
+    "toolkv_prompt_tokens_computed": ("counter", set()),
+    "toolkv_generation_tokens": ("counter", set()),
+    "toolkv_time_to_first_token_seconds": ("histogram", {"cache"}),
+    "toolkv_e2e_request_latency_seconds": ("histogram", {"cache"}),
+    "toolkv_prefix_compile_seconds": ("histogram", set()),
+    "toolkv_prefix_restore_seconds": ("histogram", set()),
+    "toolkv_cache_entries": ("gauge", {"tier"}),
+    "toolkv_cache_bytes": ("gauge", {"tier"}),
+    "toolkv_cache_evictions": ("counter", {"tier"}),
+    "toolkv_cache_errors": ("counter", {"kind"}),
+    "toolkv_queue_depth": ("gauge", set()),
+    "toolkv_requests_in_flight": ("gauge", set()),
+    "toolkv_model_loaded": ("gauge", set()),
+    "toolkv_tool_call_parse_failures": ("counter", set()),
+}
+
+BOUNDED_LABEL_VALUES = {
+    "cache": {"hit", "miss", "bypass", "skip"},
+    "result": {"hit", "miss", "bypass", "skip"},
+    "tier": {"ram", "disk", "none"},
+    "stream": {"true", "false"},
+}
+
+
+def _value(exercised: Exercised, family: str, **labels: str) -> float:
+    _, families = scrape(exercised.server)
+    return sum(s.value for s in families[family].samples
+               if s.name == _sample_name(family, families[family].type) and labels.items() <= s.labels.items())
+
+
+def _sample_name(family: str, kind: str) -> str:
+    return {"counter": family + "_total", "histogram": family + "_count"}.get(kind, family)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FAMILIES))
+def test_metric_family_is_exported_with_its_type_and_labels(exercised: Exercised, name: str) -> None:
+    kind, label_names = EXPECTED_FAMILIES[name]
+    _, families = scrape(exercised.server)
+    assert name in families, f"{name} is missing from /metrics"
+    assert families[name].type == kind
+    for sample in families[name].samples:  # families never observed have no samples to check
+        assert set(sample.labels) - {"le"} == label_names, sample
+
+
+def test_counters_are_named_total_and_histograms_carry_their_unit(exercised: Exercised) -> None:
+    text, _ = scrape(exercised.server)
+    declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
+    toolkv = {name: kind for name, kind in declared.items() if name.startswith("toolkv_")}
+    assert toolkv, "no toolkv_ metric declared"
+    for name, kind in toolkv.items():
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        if kind == "histogram":
+            assert name.endswith("_seconds"), name
+
+
+def test_ttft_histogram_has_vllm_buckets_for_every_cache_result(exercised: Exercised) -> None:
+    _, families = scrape(exercised.server)
+    buckets: dict[str, list[str]] = {}
+    for sample in families["toolkv_time_to_first_token_seconds"].samples:
+        if sample.name.endswith("_bucket"):
+            buckets.setdefault(sample.labels["cache"], []).append(sample.labels["le"])
+    assert set(buckets) == {"hit", "miss", "bypass"}
+    expected = [str(b) for b in VLLM_TTFT_BUCKETS] + ["+Inf"]
+    for cache, les in buckets.items():
+        assert les == expected, cache
+
+
+def test_label_values_are_bounded_and_never_carry_prompts(exercised: Exercised) -> None:
+    _, families = scrape(exercised.server)
+    for family in families.values():
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                assert value in BOUNDED_LABEL_VALUES.get(label, {value}), (sample.name, label, value)
+                assert "Paris" not in value and "weather" not in value, sample
+            if "status" in sample.labels:
+                assert sample.labels["status"].isdigit(), sample
+
+
+def test_token_counters_agree_with_the_usage_clients_received(exercised: Exercised) -> None:
+    usages = exercised.usages
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert _value(exercised, "toolkv_prompt_tokens") == sum(u.prompt_tokens for u in usages)
+    assert _value(exercised, "toolkv_prompt_tokens_cached") == cached > 0
+    assert _value(exercised, "toolkv_prompt_tokens_computed") == sum(u.prompt_tokens for u in usages) - cached
+    assert _value(exercised, "toolkv_generation_tokens") == sum(u.completion_tokens for u in usages)
+
+
+def test_request_and_lookup_counters_count_each_request_once(exercised: Exercised) -> None:
+    assert _value(exercised, "toolkv_requests", status="200", stream="true") == exercised.streams
+    assert _value(exercised, "toolkv_requests", status="200", stream="false") == exercised.non_streams
+    for result in ("hit", "miss", "bypass"):
+        assert _value(exercised, "toolkv_cache_lookups", result=result) == 1, result
+        assert _value(exercised, "toolkv_time_to_first_token_seconds", cache=result) == 1, result
+    assert _value(exercised, "toolkv_cache_lookups", result="hit", tier="ram") == 1
+
+
+def test_cache_gauges_show_the_stored_prefix_and_the_model_as_ready(exercised: Exercised) -> None:
+    assert _value(exercised, "toolkv_cache_entries", tier="ram") == 1
+    assert _value(exercised, "toolkv_cache_bytes", tier="ram") > 0
+    assert _value(exercised, "toolkv_model_loaded") == 1
+    assert _value(exercised, "toolkv_prefix_compile_seconds") == 1
+    assert _value(exercised, "toolkv_prefix_restore_seconds") == 1
