@@ -14,7 +14,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -119,12 +119,15 @@ def _install_routes(app: FastAPI) -> None:
         bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
         prepared = runtime.service.prepare(req, bypass=bypass)
         prepared.job.salt = request.app.state.keyring.salt_for(tenant, prepared.group_id)
+        in_flight = request.app.state.metrics.in_flight
         if not req.stream:
-            return JSONResponse(await runtime.service.complete(prepared))
+            with in_flight.track_inprogress():
+                return JSONResponse(await runtime.service.complete(prepared))
         chunks = runtime.service.stream(prepared, req.include_usage)
         first = await anext(chunks)  # errors before the first byte become plain HTTP errors
         grace_s = request.app.state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
-        return EventSourceResponse(_sse(first, chunks), sep="\n", ping=15, shutdown_grace_period=grace_s)
+        return EventSourceResponse(_tracked(in_flight, _sse(first, chunks)), sep="\n", ping=15,
+                                   shutdown_grace_period=grace_s)
 
 
 async def _parse_chat_request(request: Request) -> ChatCompletionRequest:
@@ -139,6 +142,12 @@ async def _parse_chat_request(request: Request) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
+
+
+async def _tracked(gauge: Gauge, events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+    with gauge.track_inprogress():
+        async for event in events:
+            yield event
 
 
 async def _sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
@@ -173,6 +182,8 @@ def _param_path(loc: list[str]) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path == "/v1/chat/completions":
+            request.app.state.metrics.requests.labels(status=str(exc.status_code), stream="unknown").inc()
         return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
