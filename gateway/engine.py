@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.growing import GrowingLayer
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
 from gateway.sampling import Sampler, SamplingParams, TextStream
@@ -186,7 +187,7 @@ class Engine:
         self.store.lock(entry)
         try:
             restore_started = time.perf_counter()
-            cache = self.restore(entry)
+            cache = self.restore(entry, room_tokens=job.params.max_tokens + 1)
             restore_s = time.perf_counter() - restore_started
             logits = self._forward(job.prompt_ids[job.prefix_len :], cache)
         finally:
@@ -197,7 +198,7 @@ class Engine:
         return logits, cache, prefilled
 
     def _plain_prefill(self, job: Job, result: CacheResult, started: float) -> tuple[torch.Tensor, Any, Prefilled]:
-        cache = self.new_cache()
+        cache = self.new_cache(room_tokens=job.params.max_tokens + 1)
         logits = self._forward(job.prompt_ids, cache)
         return logits, cache, Prefilled(len(job.prompt_ids), 0, result, None, 0.0, 0.0,
                                         time.perf_counter() - started)
@@ -216,15 +217,21 @@ class Engine:
         self.store.insert(entry)
         return entry
 
-    def new_cache(self) -> Any:
+    def new_cache(self, room_tokens: int | None = None) -> Any:
+        """A fresh cache; with `room_tokens`, full-attention layers grow in place while decoding."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
-        return DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        if room_tokens is not None:
+            cache.layers = [GrowingLayer(room_tokens) if type(layer) is DynamicLayer else layer
+                            for layer in cache.layers]
+        return cache
 
-    def restore(self, entry: CacheEntry) -> Any:
-        """A cache holding the entry's tensors by reference: no copy. Later updates concatenate
-        into new tensors, so the stored ones are never written."""
-        cache = self.new_cache()
+    def restore(self, entry: CacheEntry, room_tokens: int | None = None) -> Any:
+        """A cache holding the entry's tensors by reference: no copy. The first update writes into
+        new tensors, so the stored ones are never written."""
+        cache = self.new_cache(room_tokens)
         for layer, stored in zip(cache.layers, entry.layers, strict=True):
             layer.lazy_initialization(stored.keys, stored.values)
             layer.keys, layer.values = stored.keys, stored.values

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.engine.conftest import generate
 
@@ -103,3 +104,14 @@ def test_stop_sequence_and_max_tokens_end_generation(runtime_for, merchant_tools
     assert stopped.finished.finish_reason == "stop"
     assert stop not in stopped.text
     assert free.text.startswith(stopped.text)
+
+
+def test_stored_prefix_tensors_are_never_written_by_requests(runtime_for, merchant_tools):
+    runtime = runtime_for("llama")
+    generate(runtime, body(merchant_tools[:4]))
+    (entry,) = runtime.store.ram.entries()
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in entry.layers]
+    for question in ("one", "two", "three"):
+        assert generate(runtime, body(merchant_tools[:4], question=question, max_tokens=40)).prefilled.result == "hit"
+    after = [(layer.keys, layer.values) for layer in entry.layers]
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(before, after))
