@@ -1,7 +1,115 @@
-"""Cache management endpoints: /v1/cache (list, get, delete, warm)."""
+"""Cache management endpoints: `POST /v1/cache/warm`, `GET /v1/cache`, `GET /v1/cache/{id}`,
+`DELETE /v1/cache/{id}`, `DELETE /v1/cache`. They need the admin key when API keys are set. An id
+is an entry's key digest (64 lowercase hex); anything else is rejected before it can reach the
+filesystem. Warming fills the shared namespace: what an open gateway, and tenants using a group
+listed in `shared_groups`, look up."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import re
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from gateway.cache_admin import WarmRequest, compile_plan, entry_dict, plan_warm
+from gateway.engine import QueueFull
+from gateway.errors import (
+    BadRequest,
+    ModelLoadFailed,
+    ModelLoading,
+    NotFound,
+    Overloaded,
+)
+from gateway.runtime import Runtime
+from gateway.settings import Settings
 
 router = APIRouter()
+
+_ENTRY_ID = re.compile(r"[0-9a-f]{64}")
+_WRITE_TIMEOUT_S = 30.0
+
+
+@router.post("/v1/cache/warm")
+async def warm(request: Request) -> JSONResponse:
+    """Compile a tool group now; when this returns, the entry is in RAM and (if the disk allows)
+    on disk, so it also survives a restart."""
+    runtime = _admin_runtime(request)
+    body = _warm_request(await request.body())
+    settings: Settings = request.app.state.settings
+    plan = plan_warm(runtime.service, body, settings.max_tools)
+    try:
+        future = runtime.engine.call(lambda: compile_plan(runtime.engine, plan))
+    except QueueFull:
+        raise Overloaded("the server is busy: too many requests are queued; retry shortly",
+                         headers={"Retry-After": "1"}) from None
+    warmed = await asyncio.wrap_future(future)
+    await asyncio.to_thread(runtime.store.flush, _WRITE_TIMEOUT_S)
+    return JSONResponse(warmed.to_dict())
+
+
+@router.get("/v1/cache")
+async def list_entries(request: Request) -> JSONResponse:
+    runtime = _admin_runtime(request)
+    infos = await asyncio.to_thread(runtime.store.entries)
+    return JSONResponse({"object": "list", "data": [entry_dict(i) for i in infos]})
+
+
+@router.get("/v1/cache/{entry_id}")
+async def get_entry(entry_id: str, request: Request) -> JSONResponse:
+    runtime = _admin_runtime(request)
+    digest = _checked_id(entry_id)
+    infos = await asyncio.to_thread(runtime.store.entries)
+    for info in infos:
+        if info.digest == digest:
+            return JSONResponse(entry_dict(info))
+    raise _unknown(digest)
+
+
+@router.delete("/v1/cache/{entry_id}")
+async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
+    runtime = _admin_runtime(request)
+    digest = _checked_id(entry_id)
+    if not await asyncio.to_thread(runtime.store.remove, digest):
+        raise _unknown(digest)
+    return JSONResponse({"id": digest, "object": "toolkv.cache_entry.deleted", "deleted": True})
+
+
+@router.delete("/v1/cache")
+async def clear(request: Request) -> JSONResponse:
+    runtime = _admin_runtime(request)
+    count = await asyncio.to_thread(runtime.store.clear)
+    return JSONResponse({"object": "toolkv.cache.cleared", "deleted": count})
+
+
+def _warm_request(raw: bytes) -> WarmRequest:
+    try:
+        return WarmRequest.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
+        raise BadRequest(f"invalid value for '{param or 'body'}': {first['msg']}", param=param or None) from None
+
+
+def _checked_id(entry_id: str) -> str:
+    if not _ENTRY_ID.fullmatch(entry_id):
+        raise BadRequest(f"'{entry_id[:80]}' is not a cache entry id: ids are 64 lowercase hex "
+                         "characters, as listed by GET /v1/cache", param="id")
+    return entry_id
+
+
+def _unknown(digest: str) -> NotFound:
+    return NotFound(f"no cache entry with id '{digest}'", param="id")
+
+
+def _admin_runtime(request: Request) -> Runtime:
+    keyring = getattr(request.app.state, "keyring", None)  # API keys: checked before anything else
+    if keyring is not None:
+        keyring.admin(request)
+    runtime: Runtime | None = request.app.state.runtime
+    if runtime is not None:
+        return runtime
+    if request.app.state.load_error:
+        raise ModelLoadFailed(f"the model failed to load: {request.app.state.load_error}")
+    raise ModelLoading("the model is still loading; retry shortly", headers={"Retry-After": "5"})

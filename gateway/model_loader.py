@@ -148,9 +148,23 @@ def model_fingerprint(
         "dtype": str(dtype),
         "device": device.type,
         "quantization": settings.quantization,
-        "config": model.config.to_json_string(use_diff=False),
+        "config": _config_identity(model.config),
+        "torch": torch.__version__,  # kernels and rounding may change between releases
+        "transformers": _transformers_version(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _config_identity(config: Any) -> str:
+    """The architecture config, without where it was loaded from (moving a model keeps its cache)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "_commit_hash")}
+    return json.dumps(values, sort_keys=True, default=str)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _weights_identity(source: ModelSource, model: Any) -> list[Any]:

@@ -1,18 +1,15 @@
-"""Disk tier: prefix entries as safetensors files under `<cache_dir>/kv/`, one per key digest.
+"""Disk tier: prefix entries as safetensors files under `<cache_dir>/kv/`, one per key digest
+(the format is in `disk_format`).
 
-A file holds the per-layer KV tensors and a header (format version, model identity, prefix token
-ids, dtypes and shapes, tool group, created time, sha256 of the tensor bytes). Writes are atomic
-(unique temp file in the same dir, fsync, rename, fsync dir), so a crash never leaves a file that
-reads back as valid and two processes sharing the dir never see each other's half-written files.
-A file that fails any check on read is moved to `<cache_dir>/quarantine/` and reported as a
-`CacheFault`; the caller treats that as a miss. LRU under a byte budget uses file mtimes, which a
-hit refreshes, so the order is shared by every process using the dir.
+Writes are atomic (unique temp file in the same dir, fsync, rename, fsync dir), so a crash never
+leaves a file that reads back as valid, and processes sharing the dir never see each other's
+half-written files. A file that fails any check on read is moved to `<cache_dir>/quarantine/`
+and raised as a `CacheFault`; the caller treats that as a miss. LRU under a byte budget uses file
+mtimes, which a hit refreshes, so every process using the dir shares one order.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -27,29 +24,27 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.disk_format import (
+    CacheFault,
+    Header,
+    check_key,
+    decode,
+    encode,
+    identity_fields,
+)
+from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline slips through
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
 _MAX_QUARANTINED = 32
-_META = "toolkv."  # prefix of every header key we write
 # What a damaged header or tensor table raises while being parsed.
 _MALFORMED = (SafetensorError, ValueError, KeyError, TypeError, IndexError)
-
-
-class CacheFault(Exception):
-    """A disk-tier fault the caller turns into a miss (or a skipped write) plus a counter."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # bounded: corrupt, checksum, version, identity, read, write (+ backlog in the store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +58,7 @@ class DiskRecord:
     num_bytes: int
     created_at: float
     last_used_at: float
-    model_fingerprint: str
-    tokenizer_fingerprint: str
-    adapter_version: str
+    identity: dict[str, str]  # the model, tokenizer and adapter that wrote it
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,13 +183,12 @@ class DiskTier:
     # ---- writing -----------------------------------------------------------------------------
 
     def _write_atomically(self, path: Path, entry: CacheEntry, identity: CacheIdentity) -> None:
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in _named_tensors(entry)}
-        header = _header(entry, identity, tensors)
+        tensors, metadata = encode(entry, identity)
         self.kv_dir.mkdir(parents=True, exist_ok=True)
-        temp = self.kv_dir / f"{_TEMP_PREFIX}{entry.key.digest[:16]}-{os.getpid()}-" \
-                             f"{threading.get_ident()}-{uuid.uuid4().hex[:8]}"
+        temp = self.kv_dir / (f"{_TEMP_PREFIX}{entry.key.digest[:16]}-{os.getpid()}-"
+                              f"{threading.get_ident()}-{uuid.uuid4().hex[:8]}")
         try:
-            save_file(tensors, str(temp), metadata=header)
+            save_file(tensors, str(temp), metadata=metadata)
             _fsync_file(temp)
             os.replace(temp, path)
         finally:
@@ -215,11 +207,10 @@ class DiskTier:
     def _read(self, path: Path, key: PrefixKey, identity: CacheIdentity) -> CacheEntry:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
-                header = _parse_header(handle.metadata() or {})
-                _check_header(header, key, identity)
+                header = Header.from_metadata(handle.metadata() or {})
+                check_key(header, key, identity)
                 tensors = {name: handle.get_tensor(name) for name in header.tensor_names}
-            _check_tensors(header, tensors, path.name)
-            return _entry_from(header, key, tensors, self.device)
+            return decode(header, tensors, key, self.device)
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -230,21 +221,14 @@ class DiskTier:
     def _record(self, stat: _FileStat) -> DiskRecord | None:
         try:
             with safe_open(str(self.path_for(stat.digest)), framework="pt", device="cpu") as handle:
-                header = _parse_header(handle.metadata() or {})
+                header = Header.from_metadata(handle.metadata() or {})
         except (OSError, CacheFault, *_MALFORMED):
             return None
-        ident = header.identity
         return DiskRecord(stat.digest, header.group_id, header.tool_names, len(header.token_ids),
-                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9,
-                          ident["model_fingerprint"], ident["tokenizer_fingerprint"],
-                          ident["adapter_version"])
+                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity)
 
     def _is_ours(self, record: DiskRecord) -> bool:
-        if self.identity is None:
-            return True
-        return (record.model_fingerprint, record.tokenizer_fingerprint, record.adapter_version) == (
-            self.identity.model_fingerprint, self.identity.tokenizer_fingerprint,
-            self.identity.adapter_version)
+        return self.identity is None or record.identity == identity_fields(self.identity)
 
     # ---- the directory -----------------------------------------------------------------------
 
@@ -292,117 +276,7 @@ class DiskTier:
             old.unlink(missing_ok=True)
 
 
-# ---- the file format ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    identity: dict[str, str]
-    digest: str
-    token_ids: tuple[int, ...]
-    group_id: str
-    tool_names: tuple[str, ...]
-    created_at: float
-    compile_s: float
-    layers: tuple[dict[str, object], ...]  # dtype, keys_shape, values_shape, cumulative_length
-    sha256: str
-
-    @property
-    def tensor_names(self) -> list[str]:
-        return [name for i in range(len(self.layers)) for name in (f"k.{i}", f"v.{i}")]
-
-
-def _named_tensors(entry: CacheEntry) -> Iterator[tuple[str, torch.Tensor]]:
-    for i, layer in enumerate(entry.layers):
-        yield f"k.{i}", layer.keys
-        yield f"v.{i}", layer.values
-
-
-def _header(entry: CacheEntry, identity: CacheIdentity, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    layers = [{"dtype": _dtype_name(layer.keys.dtype), "keys_shape": list(layer.keys.shape),
-               "values_shape": list(layer.values.shape), "cumulative_length": layer.cumulative_length}
-              for layer in entry.layers]
-    fields: dict[str, object] = {
-        "format": FORMAT_VERSION,
-        "identity": {"model_fingerprint": identity.model_fingerprint,
-                     "tokenizer_fingerprint": identity.tokenizer_fingerprint,
-                     "adapter_version": identity.adapter_version},
-        "digest": entry.key.digest,
-        "token_ids": list(entry.key.token_ids),
-        "group_id": entry.group_id,
-        "tool_names": list(entry.tool_names),
-        "created_at": entry.created_at,
-        "compile_s": entry.compile_s,
-        "layers": layers,
-        "sha256": _checksum(tensors[name] for name in sorted(tensors, key=_tensor_order)),
-    }
-    return {_META + name: json.dumps(value, separators=(",", ":")) for name, value in fields.items()}
-
-
-def _parse_header(meta: dict[str, str]) -> _Header:
-    if _META + "format" not in meta:
-        raise CacheFault("corrupt", "the file has no toolkv header")
-    version = json.loads(meta[_META + "format"])
-    if version != FORMAT_VERSION:
-        raise CacheFault("version", f"format version {version!r}, this build reads {FORMAT_VERSION}")
-    get = lambda name: json.loads(meta[_META + name])  # noqa: E731
-    return _Header(identity=dict(get("identity")), digest=str(get("digest")),
-                   token_ids=tuple(int(t) for t in get("token_ids")), group_id=str(get("group_id")),
-                   tool_names=tuple(str(n) for n in get("tool_names")),
-                   created_at=float(get("created_at")), compile_s=float(get("compile_s")),
-                   layers=tuple(get("layers")), sha256=str(get("sha256")))
-
-
-def _check_header(header: _Header, key: PrefixKey, identity: CacheIdentity) -> None:
-    expected = {"model_fingerprint": identity.model_fingerprint,
-                "tokenizer_fingerprint": identity.tokenizer_fingerprint,
-                "adapter_version": identity.adapter_version}
-    if header.identity != expected:
-        raise CacheFault("identity", "the file was written for another model, tokenizer or adapter")
-    if header.digest != key.digest or header.token_ids != key.token_ids:
-        raise CacheFault("identity", "the file's key or prefix token ids differ from the lookup's")
-
-
-def _check_tensors(header: _Header, tensors: dict[str, torch.Tensor], name: str) -> None:
-    for i, layer in enumerate(header.layers):
-        for part, shape_field in (("k", "keys_shape"), ("v", "values_shape")):
-            tensor = tensors[f"{part}.{i}"]
-            if list(tensor.shape) != layer[shape_field] or _dtype_name(tensor.dtype) != layer["dtype"]:
-                raise CacheFault("corrupt", f"{name}: tensor {part}.{i} does not match its header")
-    actual = _checksum(tensors[n] for n in sorted(tensors, key=_tensor_order))
-    if actual != header.sha256:
-        raise CacheFault("checksum", f"{name}: tensor bytes do not match the header's sha256")
-
-
-def _entry_from(header: _Header, key: PrefixKey, tensors: dict[str, torch.Tensor],
-                device: torch.device) -> CacheEntry:
-    layers = tuple(
-        LayerKV(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device),
-                _optional_int(layer["cumulative_length"]))
-        for i, layer in enumerate(header.layers)
-    )
-    return CacheEntry(key=key, layers=layers, group_id=header.group_id, tool_names=header.tool_names,
-                      compile_s=header.compile_s, created_at=header.created_at)
-
-
-def _checksum(tensors: Iterator[torch.Tensor]) -> str:
-    hasher = hashlib.sha256()
-    for tensor in tensors:
-        hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return hasher.hexdigest()
-
-
-def _tensor_order(name: str) -> tuple[int, str]:
-    part, index = name.split(".")
-    return int(index), part
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _optional_int(value: object) -> int | None:
-    return None if value is None else int(value)  # type: ignore[call-overload]
+# ---- helpers -----------------------------------------------------------------------------------
 
 
 def _quarantined_at(path: Path) -> int:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.kvcache.disk_tier import CacheFault, DiskRecord, DiskTier
+from gateway.kvcache.disk_format import CacheFault
+from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.ram_tier import RamTier
@@ -85,9 +86,10 @@ class PrefixStore:
     def insert(self, entry: CacheEntry) -> None:
         """Keep `entry` in RAM now; write it to disk in the background."""
         self._insert_ram(entry)
-        if self._writer is not None and self.disk is not None and self.disk.can_insert(entry):
-            if not self._writer.schedule(entry):
-                self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
+        if self._writer is None or self.disk is None or not self.disk.can_insert(entry):
+            return
+        if not self._writer.schedule(entry):
+            self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
 
     def lock(self, entry: CacheEntry) -> None:
         self.ram.lock(entry.key.digest)
@@ -154,7 +156,7 @@ class PrefixStore:
         except CacheFault as fault:
             self._fault(fault.kind, f"disk cache write failed, entry kept in RAM only: {fault}")
             return
-        except Exception as exc:  # anything else the serializer raises is a failed write too
+        except Exception as exc:  # noqa: BLE001 - whatever the serializer raises, the write failed
             self._fault("write", f"disk cache write failed, entry kept in RAM only: {exc!r}")
             return
         self.tally.add("eviction", "disk", len(evicted))

@@ -15,6 +15,8 @@ from gateway.settings import load_settings
 
 
 def make_runtime(model_dir: Path, **overrides: Any) -> Runtime:
+    if "cache_dir" not in overrides:
+        overrides["disk_budget_bytes"] = 0  # RAM only, and nothing written to the user's cache dir
     settings = load_settings(overrides={"model": str(model_dir), "min_prefix_tokens": 8, **overrides},
                              environ={})
     return build_runtime(settings, Metrics())

@@ -1,0 +1,113 @@
+"""Cache management shared by the HTTP routes and the CLI: warming a tool group ahead of traffic,
+and the wire shape of a cache entry. A warmed group is rendered and tokenized exactly as a chat
+request's tool group is, so later chat requests with the same system prompt and tools hit it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.base import ChatMessage, ToolGroup, ToolSpec
+from gateway.engine import Engine
+from gateway.errors import BadRequest, ContextLengthExceeded
+from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.store import EntryInfo
+from gateway.protocol import ToolIn
+from gateway.serving import ChatService
+
+# Stands in for the conversation: the cut at the end of the tool group happens just as it does
+# for a real chat request (the text after the group starts with the same turn marker).
+_PLACEHOLDER_TURN = ChatMessage(role="user", content="warm")
+
+
+class WarmRequest(BaseModel):
+    """`POST /v1/cache/warm` body, and the file `toolkv cache warm FILE` reads."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tools: list[ToolIn] = Field(default_factory=list)
+    system: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPlan:
+    """A tool group ready to compile: its key (the exact prefix token ids) and its names."""
+
+    key: PrefixKey
+    group: ToolGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Warmed:
+    digest: str
+    group_id: str
+    tool_names: tuple[str, ...]
+    prefix_tokens: int
+    num_bytes: int
+    compile_s: float  # spent by this call: 0.0 when the group was already cached
+    already_cached: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.digest, "object": "toolkv.cache_entry", "group_id": self.group_id,
+                "tool_names": list(self.tool_names), "prefix_tokens": self.prefix_tokens,
+                "bytes": self.num_bytes, "compile_s": round(self.compile_s, 4),
+                "already_cached": self.already_cached}
+
+
+def plan_warm(service: ChatService, request: WarmRequest, max_tools: int) -> WarmPlan:
+    """Render and tokenize the group as the chat path does; reject what would never be cached."""
+    tools = [t.to_spec() for t in request.tools]
+    _check_tools(tools, request.system, max_tools)
+    messages = ([ChatMessage(role="system", content=request.system)] if request.system is not None else [])
+    rendered = service.renderer.render([*messages, _PLACEHOLDER_TURN], tools)
+    ids, prefix_len = service._tokenize(rendered.text, rendered.prefix_chars, "")
+    _check_prefix_len(prefix_len, service.engine.min_prefix_tokens, service.context_len)
+    return WarmPlan(service.engine.key_for(ids[:prefix_len]), rendered.group)
+
+
+def compile_plan(engine: Engine, plan: WarmPlan) -> Warmed:
+    """Look the group up (RAM, disk) and compute it if absent. Runs on the engine thread."""
+    found = engine.store.lookup(plan.key)
+    if found is not None:
+        entry, compile_s = found.entry, 0.0
+    else:
+        entry = engine.compile_prefix(plan.key, plan.group.group_id, plan.group.tool_names)
+        compile_s = entry.compile_s
+    return Warmed(plan.key.digest, entry.group_id, entry.tool_names, entry.num_tokens,
+                  entry.num_bytes, compile_s, already_cached=found is not None)
+
+
+def entry_dict(info: EntryInfo) -> dict[str, Any]:
+    return {"id": info.digest, "object": "toolkv.cache_entry", "group_id": info.group_id,
+            "tool_names": list(info.tool_names), "prefix_tokens": info.num_tokens,
+            "bytes": info.num_bytes, "tier": info.tiers[0], "tiers": list(info.tiers),
+            "hits": info.hits, "created_at": round(info.created_at, 3),
+            "last_used_at": round(info.last_used_at, 3)}
+
+
+def _check_tools(tools: list[ToolSpec], system: str | None, max_tools: int) -> None:
+    if not tools and system is None:
+        raise BadRequest("nothing to warm: send 'tools' (and optionally 'system')", param="tools")
+    if len(tools) > max_tools:
+        raise BadRequest(f"{len(tools)} tools; the limit is {max_tools}", param="tools")
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if tool.name in seen:
+            raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
+                             param=f"tools[{index}].function.name")
+        seen.add(tool.name)
+
+
+def _check_prefix_len(prefix_len: int, min_tokens: int, context_len: int) -> None:
+    if prefix_len == 0:
+        raise BadRequest("this model's chat template does not let the tool group be cut off "
+                         "as a prefix, so it cannot be cached", param="tools")
+    if prefix_len < min_tokens:
+        raise BadRequest(f"the tool group is {prefix_len} tokens; groups shorter than "
+                         f"min_prefix_tokens ({min_tokens}) are not cached", param="tools")
+    if prefix_len >= context_len:
+        raise ContextLengthExceeded(f"the tool group is {prefix_len} tokens; this model's context "
+                                    f"is {context_len} tokens", param="tools")

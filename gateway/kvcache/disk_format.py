@@ -1,0 +1,140 @@
+"""The on-disk format of a cache entry: a safetensors file (no pickle anywhere) whose tensors are
+`k.<layer>` / `v.<layer>` and whose header metadata holds, as JSON under `toolkv.*` keys: the
+format version, the model identity, the key digest and exact prefix token ids, per-layer dtype
+and shapes, the tool group, created time and a sha256 of the tensor bytes. Decoding checks all
+of it and raises `CacheFault` on the first thing that is wrong. The sha256 covers the other header
+fields as well as the tensor bytes, so no flipped byte anywhere in a file goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.keys import CacheIdentity, PrefixKey
+
+FORMAT_VERSION = 1
+_META = "toolkv."  # prefix of every header key this format writes
+
+
+class CacheFault(Exception):
+    """A disk-tier fault the caller turns into a miss (or a skipped write) plus a counter."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # a bounded metric label: corrupt, checksum, version, identity, read, write
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    identity: dict[str, str]  # model_fingerprint, tokenizer_fingerprint, adapter_version
+    digest: str
+    token_ids: tuple[int, ...]
+    group_id: str
+    tool_names: tuple[str, ...]
+    created_at: float
+    compile_s: float
+    layers: tuple[dict[str, Any], ...]  # dtype, keys_shape, values_shape, cumulative_length
+    sha256: str
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [name for i in range(len(self.layers)) for name in (f"k.{i}", f"v.{i}")]
+
+    def to_metadata(self) -> dict[str, str]:
+        fields = {**self._signed_fields(), "sha256": self.sha256}
+        return {_META + name: json.dumps(value, separators=(",", ":")) for name, value in fields.items()}
+
+    def signed(self, tensors: Iterable[torch.Tensor]) -> Header:
+        """This header with its sha256 set over its other fields and `tensors`, in order."""
+        return dataclasses.replace(self, sha256=self.checksum(tensors))
+
+    def checksum(self, tensors: Iterable[torch.Tensor]) -> str:
+        hasher = hashlib.sha256(json.dumps(self._signed_fields(), sort_keys=True).encode())
+        for tensor in tensors:  # raw bytes, so any dtype (bfloat16 too) hashes the same way
+            hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return hasher.hexdigest()
+
+    def _signed_fields(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, "identity": self.identity, "digest": self.digest,
+                "token_ids": list(self.token_ids), "group_id": self.group_id,
+                "tool_names": list(self.tool_names), "created_at": self.created_at,
+                "compile_s": self.compile_s, "layers": list(self.layers)}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Header:
+        """Parse a header; an old or future format is a `version` fault. Malformed fields raise
+        ValueError/KeyError/TypeError, which the reader reports as `corrupt`."""
+        if _META + "format" not in meta:
+            raise CacheFault("corrupt", "the file has no toolkv header")
+        version = json.loads(meta[_META + "format"])
+        if version != FORMAT_VERSION:
+            raise CacheFault("version", f"format version {version!r}; this build reads {FORMAT_VERSION}")
+        def get(name: str) -> Any:
+            return json.loads(meta[_META + name])
+
+        return cls(identity={k: str(v) for k, v in get("identity").items()}, digest=str(get("digest")),
+                   token_ids=tuple(int(t) for t in get("token_ids")), group_id=str(get("group_id")),
+                   tool_names=tuple(str(n) for n in get("tool_names")),
+                   created_at=float(get("created_at")), compile_s=float(get("compile_s")),
+                   layers=tuple(dict(layer) for layer in get("layers")), sha256=str(get("sha256")))
+
+
+def identity_fields(identity: CacheIdentity) -> dict[str, str]:
+    """The identity a file records. The salt is not among them: it is part of the digest."""
+    return {"model_fingerprint": identity.model_fingerprint,
+            "tokenizer_fingerprint": identity.tokenizer_fingerprint,
+            "adapter_version": identity.adapter_version}
+
+
+def encode(entry: CacheEntry, identity: CacheIdentity) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (contiguous, on CPU) and header metadata to write for `entry`."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(entry.layers):
+        tensors[f"k.{i}"] = layer.keys.detach().to("cpu").contiguous()
+        tensors[f"v.{i}"] = layer.values.detach().to("cpu").contiguous()
+    layers = tuple({"dtype": _dtype_name(layer.keys.dtype), "keys_shape": list(layer.keys.shape),
+                    "values_shape": list(layer.values.shape), "cumulative_length": layer.cumulative_length}
+                   for layer in entry.layers)
+    header = Header(identity_fields(identity), entry.key.digest, entry.key.token_ids, entry.group_id,
+                    entry.tool_names, entry.created_at, entry.compile_s, layers, sha256="")
+    return tensors, header.signed(tensors.values()).to_metadata()
+
+
+def check_key(header: Header, key: PrefixKey, identity: CacheIdentity) -> None:
+    """The file must be this model's, and for exactly this key and these prefix tokens."""
+    if header.identity != identity_fields(identity):
+        raise CacheFault("identity", "the file was written for another model, tokenizer or adapter")
+    if header.digest != key.digest or header.token_ids != key.token_ids:
+        raise CacheFault("identity", "the file's key or prefix token ids differ from the lookup's")
+
+
+def decode(header: Header, tensors: dict[str, torch.Tensor], key: PrefixKey,
+           device: torch.device) -> CacheEntry:
+    """The entry, after checking every tensor against the header and the checksum."""
+    for i, layer in enumerate(header.layers):
+        for name, shape in ((f"k.{i}", layer["keys_shape"]), (f"v.{i}", layer["values_shape"])):
+            if list(tensors[name].shape) != shape or _dtype_name(tensors[name].dtype) != layer["dtype"]:
+                raise CacheFault("corrupt", f"tensor {name} does not match its header")
+    if header.checksum(tensors[name] for name in header.tensor_names) != header.sha256:
+        raise CacheFault("checksum", "the header or tensor bytes do not match the header's sha256")
+    layers = tuple(LayerKV(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device),
+                           _optional_int(layer["cumulative_length"]))
+                   for i, layer in enumerate(header.layers))
+    return CacheEntry(key=key, layers=layers, group_id=header.group_id, tool_names=header.tool_names,
+                      compile_s=header.compile_s, created_at=header.created_at)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
