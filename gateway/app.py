@@ -21,11 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import cache_routes, dashboard, protocol
 from gateway.auth import KeyRing
-from gateway.errors import APIError, BadRequest, ModelLoadFailed, ModelLoading, ModelNotFound
+from gateway.errors import APIError, BadRequest, ModelNotFound
 from gateway.limits import BodySizeLimit, check_request_limits
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
-from gateway.runtime import Runtime, build_runtime
+from gateway.runtime import Runtime, build_runtime, loaded_runtime
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,8 @@ def _load(app: FastAPI, runtime_factory: RuntimeFactory) -> None:
         metrics.model_loaded.set(-1)
 
 
-def _runtime(request: Request) -> Runtime:
-    runtime: Runtime | None = request.app.state.runtime
-    if runtime is not None:
-        return runtime
-    if request.app.state.load_error:
-        raise ModelLoadFailed(f"the model failed to load: {request.app.state.load_error}")
-    raise ModelLoading("the model is still loading; retry shortly", headers={"Retry-After": "5"})
+def current_runtime(request: Request) -> Runtime:
+    return loaded_runtime(request.app.state)
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -97,7 +92,7 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         request.app.state.keyring.tenant(request)
-        runtime = _runtime(request)
+        runtime = current_runtime(request)
         return JSONResponse(protocol.model_list(runtime.model_name, request.app.state.started_at))
 
     @app.get("/metrics")
@@ -112,7 +107,7 @@ def _install_routes(app: FastAPI) -> None:
         tenant = request.app.state.keyring.tenant(request)
         req = await _parse_chat_request(request)
         check_request_limits(req, request.app.state.settings)
-        runtime = _runtime(request)
+        runtime = current_runtime(request)
         if req.model and req.model not in runtime.model_aliases:
             raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
                                 f"'{runtime.model_name}'", param="model")

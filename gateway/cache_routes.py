@@ -17,12 +17,10 @@ from gateway.cache_admin import WarmRequest, compile_plan, entry_dict, plan_warm
 from gateway.engine import QueueFull
 from gateway.errors import (
     BadRequest,
-    ModelLoadFailed,
-    ModelLoading,
     NotFound,
     Overloaded,
 )
-from gateway.runtime import Runtime
+from gateway.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
 router = APIRouter()
@@ -107,9 +105,4 @@ def _admin_runtime(request: Request) -> Runtime:
     keyring = getattr(request.app.state, "keyring", None)  # API keys: checked before anything else
     if keyring is not None:
         keyring.admin(request)
-    runtime: Runtime | None = request.app.state.runtime
-    if runtime is not None:
-        return runtime
-    if request.app.state.load_error:
-        raise ModelLoadFailed(f"the model failed to load: {request.app.state.load_error}")
-    raise ModelLoading("the model is still loading; retry shortly", headers={"Retry-After": "5"})
+    return loaded_runtime(request.app.state)
