@@ -206,6 +206,7 @@ class Engine:
     def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
         """Compute the prefix KV once and store it (callable from the worker thread only)."""
         started = time.perf_counter()
+        log.info("compiling tool group %s: %d prefix tokens", group_id or "-", len(key.token_ids))
         cache = self.new_cache()
         self._forward(list(key.token_ids), cache)
         layers = tuple(
@@ -215,6 +216,8 @@ class Engine:
         entry = CacheEntry(key=key, layers=layers, group_id=group_id, tool_names=tool_names,
                            compile_s=time.perf_counter() - started)
         self.store.insert(entry)
+        log.info("compiled tool group %s in %.2fs (%.1f MB of KV)", group_id or "-", entry.compile_s,
+                 entry.num_bytes / 1e6)
         return entry
 
     def new_cache(self, room_tokens: int | None = None) -> Any:

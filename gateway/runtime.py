@@ -62,7 +62,9 @@ def loaded_runtime(state: Any) -> Runtime:
 
 
 def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> Runtime:
-    loaded = loaded or load_model(settings)
+    if loaded is None:
+        log.info("loading model %s (device %s, dtype %s)...", settings.model, settings.device, settings.dtype)
+        loaded = load_model(settings)
     tokenizer = loaded.tokenizer
     family = (get_family(settings.adapter) if settings.adapter != "auto" else
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
