@@ -15,6 +15,16 @@ class ToolSpec:
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
+    @property
+    def takes_no_arguments(self) -> bool:
+        """True when `{}` is the only sensible arguments object: no properties, none open-ended.
+
+        An absent `additionalProperties` counts as closed: `{"type": "object", "properties": {}}`
+        is how OpenAI clients declare a function without parameters."""
+        params = self.parameters or {}
+        open_ended = params.get("patternProperties") or params.get("additionalProperties") not in (None, False)
+        return not params.get("properties") and not open_ended
+
     def openai_dict(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
@@ -69,6 +79,14 @@ class RenderedPrompt:
     group: ToolGroup
 
 
+def arguments_object(arguments: str) -> Any:
+    """OpenAI sends arguments as JSON text; prompts want the object (or the text, if not JSON)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 class ChatFamily(ABC):
     """What differs between model families: how tools and tool turns are written, how calls look."""
 
@@ -89,6 +107,17 @@ class ChatFamily(ABC):
 
     @abstractmethod
     def call_opening(self, function_name: str | None) -> str:
-        """The text that opens a call (of `function_name`, if given), to force one."""
+        """The text that opens a call (of `function_name`, if given), to force one. Named, it is
+        a prefix of `assistant_text` for a call of that function."""
+
+    def call_text(self, function_name: str, arguments: str = "{}") -> str:
+        """One whole call, as the model writes it (`arguments` is JSON text)."""
+        call = ToolCallIn(id="", name=function_name, arguments=arguments)
+        return self.assistant_text(ChatMessage(role="assistant", content=None, tool_calls=(call,)))
 
     default_template: str | None = None  # used when the tokenizer has no chat template
+    # The family's own template, rendering `tools` itself with the tool group at the head; used
+    # when the model's template does not keep the tool group at the head (Mistral's puts tools
+    # before the last user message, so no prefix could be shared between turns).
+    tools_template: str | None = None
+    tool_result_role: str = "user"  # the role tool results are written under when the template has none

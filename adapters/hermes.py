@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from adapters.base import ChatFamily, ChatMessage, ToolSpec
+from adapters.base import ChatFamily, ChatMessage, ToolSpec, arguments_object
 
 _TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -36,7 +36,7 @@ class HermesFamily(ChatFamily):
     def assistant_text(self, message: ChatMessage) -> str:
         parts = [message.content] if message.content else []
         for call in message.tool_calls:
-            body = json.dumps({"name": call.name, "arguments": _as_object(call.arguments)},
+            body = json.dumps({"name": call.name, "arguments": arguments_object(call.arguments)},
                               ensure_ascii=False)
             parts.append(f"<tool_call>\n{body}\n</tool_call>")
         return "\n".join(parts)
@@ -47,11 +47,5 @@ class HermesFamily(ChatFamily):
     def call_opening(self, function_name: str | None) -> str:
         if function_name is None:
             return "<tool_call>\n"
-        return '<tool_call>\n{"name": ' + json.dumps(function_name) + ', "arguments": '
+        return '<tool_call>\n{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
 
-
-def _as_object(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments

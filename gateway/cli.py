@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway import bench, cache_cli
+from gateway import bench, cache_cli, parity
 from gateway.settings import Settings, SettingsError, load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
     cache_cli.register(sub)
     bench.register(sub)
+    parity.register(sub)
     return parser
 
 

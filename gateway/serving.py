@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.base import ChatFamily
-from adapters.render import PromptRenderer
+from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
+from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart, get_parser
 from gateway import protocol
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta
@@ -36,6 +37,14 @@ class Prepared:
     use_cache: bool
     group_id: str
     started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """`tool_choice` as text after the generation prompt, as if the model had written it."""
+
+    opening: str = ""
+    complete: bool = False  # the whole call: a named function that takes no arguments
 
 
 @dataclass(slots=True)
@@ -66,27 +75,38 @@ class ChatService:
         tools = [t.to_spec() for t in req.tools or ()]
         _check_unique_names(tools)
         _check_tool_choice(req)
-        rendered = self.renderer.render(messages, tools)
-        opening = self._forced_opening(req)
-        ids, prefix_len = self._tokenize(rendered.text, rendered.prefix_chars, opening)
+        rendered = self._render(messages, tools)
+        forced = self._forced_call(req, tools)
+        ids, prefix_len = self._tokenize(rendered.text, rendered.prefix_chars, forced.opening)
         params = self._sampling(req, len(ids))
+        single_call = req.parallel_tool_calls is False
+        if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
+            params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, group_id=rendered.group.group_id,
                   tool_names=rendered.group.tool_names)
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=bool(tools) and req.tool_choice != "none",
-                        forced_opening=opening, single_call=req.parallel_tool_calls is False,
+                        forced_opening=forced.opening, single_call=single_call,
                         use_cache=use_cache, group_id=rendered.group.group_id)
 
-    def _forced_opening(self, req: ChatCompletionRequest) -> str:
-        if not req.tools:
-            return ""
-        if req.tool_choice == "required":
-            return self.family.call_opening(None)
-        if isinstance(req.tool_choice, NamedToolChoice):
-            return self.family.call_opening(req.tool_choice.function.name)
-        return ""
+    def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
+        try:
+            return self.renderer.render(messages, tools)
+        except RenderError as exc:
+            raise BadRequest(str(exc), param="messages") from None
+
+    def _forced_call(self, req: ChatCompletionRequest, tools: list[ToolSpec]) -> ForcedCall:
+        """`required` forces the opening of some call; a named function (or `required` with one
+        tool) forces the opening with its name, or the whole call when it takes no arguments."""
+        name = _forced_name(req, tools)
+        if name is None:
+            required = req.tool_choice == "required" and bool(tools)
+            return ForcedCall(self.family.call_opening(None) if required else "")
+        if next(t for t in tools if t.name == name).takes_no_arguments:
+            return ForcedCall(self.family.call_text(name), complete=True)
+        return ForcedCall(self.family.call_opening(name))
 
     def _tokenize(self, text: str, prefix_chars: int, opening: str) -> tuple[list[int], int]:
         """Tokenize the whole prompt once, then cut at the last token that ends inside the prefix."""
@@ -157,9 +177,8 @@ class ChatService:
         if parsed.parse_failed:
             self.metrics.tool_parse_failures.inc()
         calls = list(parsed.tool_calls)[: 1 if prepared.single_call else None]
-        if not calls:
-            content = text if parsed.parse_failed else (parsed.content or "")
-            return {"role": "assistant", "content": content, "refusal": None}, finish.finish_reason
+        if not calls:  # a failed parse is content: the raw output, forced opening included
+            return {"role": "assistant", "content": parsed.content or "", "refusal": None}, finish.finish_reason
         wire = [{"id": protocol.new_tool_call_id(), "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return {"role": "assistant", "content": parsed.content, "refusal": None,
@@ -170,12 +189,13 @@ class ChatService:
         cid, created, model = protocol.new_completion_id(), int(time.time()), prepared.model_name
         outcome = Outcome()
         streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
-        if streamer is not None and prepared.forced_opening:
-            streamer.feed(prepared.forced_opening)
         calls = _CallTracker(single=prepared.single_call)
+        opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
         yield protocol.chunk_dict(cid, created, model, {"role": "assistant", "content": ""})
+        for delta in calls.deltas(opening):
+            yield protocol.chunk_dict(cid, created, model, delta)
         async for event in _chain(first, events):
             self._observe(prepared, outcome, event)
             if isinstance(event, Failed):
@@ -283,11 +303,21 @@ def _check_unique_names(tools: list[Any]) -> None:
 
 
 def _check_tool_choice(req: ChatCompletionRequest) -> None:
+    if req.tool_choice == "required" and not req.tools:
+        raise BadRequest("tool_choice 'required' needs 'tools'", param="tool_choice")
     if not isinstance(req.tool_choice, NamedToolChoice):
         return
     name = req.tool_choice.function.name
     if name not in {t.function.name for t in req.tools or ()}:
         raise BadRequest(f"tool_choice names the function '{name}', which is not in 'tools'", param="tool_choice")
+
+
+def _forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | None:
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return req.tool_choice.function.name
+    if req.tool_choice == "required" and len(tools) == 1:
+        return tools[0].name
+    return None
 
 
 def _unset_emit(event: EngineEvent) -> None:

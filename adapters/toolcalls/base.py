@@ -125,7 +125,7 @@ def make_call(obj: Any, arg_keys: tuple[str, ...] = ("arguments", "parameters"))
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ParseError("tool call has no name")
-    raw = next((obj[key] for key in arg_keys if key in obj), {})
+    raw: Any = next((obj[key] for key in arg_keys if key in obj), {})
     return call_from(name.strip(), raw)
 
 

@@ -1,0 +1,10 @@
+"""`toolkv bench`: TTFT, latency and cache hit measurements through the real HTTP API.
+
+workload (what is sent) -> client (one timed streaming request) -> scenarios (the five runs) ->
+floor (the in-process limit) -> report (numbers, JSON, table) and plots; command runs them,
+options is the command line.
+"""
+
+from gateway.bench.options import register
+
+__all__ = ["register"]

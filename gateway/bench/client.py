@@ -1,0 +1,164 @@
+"""One streamed chat request, timed from the client's side.
+
+TTFT is the time to the first chunk carrying content or a tool call, not to the first SSE byte
+(servers send the role chunk early or late as they like). A request is a hit when the server
+reports `cached_tokens > 0`; when it reports no `cached_tokens` at all, the class the scenario
+expected is used and the sample says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+BYPASS_HEADERS = {"X-Toolkv-Cache": "bypass"}
+Expected = Literal["miss", "hit", "bypass", "any"]
+
+
+class ContextTooLong(Exception):
+    """The server refused the prompt as longer than the model's context."""
+
+
+@dataclass(slots=True)
+class Sample:
+    scenario: str
+    group: str
+    num_tools: int
+    tool_offset: int
+    expected: Expected
+    bypass: bool
+    started_s: float  # since the start of the run
+    ttft_s: float | None = None
+    first_chunk_s: float | None = None  # the first SSE data line, whatever it carried
+    total_s: float = 0.0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cache(self) -> str:
+        """hit / miss / bypass / error, by cached_tokens (the expected class when it is missing)."""
+        if self.error:
+            return "error"
+        if self.bypass:
+            return "bypass"
+        if self.cached_tokens is None:
+            return "hit" if self.expected == "hit" else "miss"
+        return "hit" if self.cached_tokens > 0 else "miss"
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first, per second after the first token."""
+        if self.ttft_s is None or not self.completion_tokens or self.completion_tokens < 2:
+            return None
+        span = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / span if span > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        by = "header" if self.bypass else ("cached_tokens" if self.cached_tokens is not None else "expected")
+        out.update(cache=self.cache, decode_tokens_per_s=self.decode_tokens_per_s, classified_by=by)
+        return out
+
+
+class BenchClient:
+    """Streams chat completions from an OpenAI-compatible server and times them."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, clock_zero: float) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.clock_zero = clock_zero
+        self._http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                       limits=httpx.Limits(max_connections=64))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def rebase(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+
+    async def served_model(self) -> str | None:
+        """The first model id of GET /v1/models (None if the server does not say)."""
+        try:
+            resp = await self._http.get(self.api_url("/models"))
+            data = resp.json().get("data") or []
+            return str(data[0]["id"]) if resp.status_code == 200 and data else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    def api_url(self, path: str) -> str:
+        root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
+        return root + path
+
+    async def chat(self, body: dict[str, Any], sample: Sample) -> Sample:
+        """Send one streaming request; fill in `sample`'s timings and usage. Raises ContextTooLong."""
+        started = time.perf_counter()
+        sample.started_s = started - self.clock_zero
+        headers = BYPASS_HEADERS if sample.bypass else None
+        try:
+            async with self._http.stream("POST", self.api_url("/chat/completions"), json=body,
+                                         headers=headers) as resp:
+                if resp.status_code != 200:
+                    _raise_for_body(resp.status_code, (await resp.aread()).decode(errors="replace"))
+                await self._read_stream(resp, sample, started)
+        except httpx.HTTPError as exc:
+            sample.error = f"{type(exc).__name__}: {exc}"
+        except _ServerError as exc:
+            sample.error = str(exc)
+        sample.total_s = time.perf_counter() - started
+        return sample
+
+    async def _read_stream(self, resp: httpx.Response, sample: Sample, started: float) -> None:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if sample.first_chunk_s is None:
+                sample.first_chunk_s = time.perf_counter() - started
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _ServerError(f"error in stream: {chunk['error'].get('message')}")
+            if sample.ttft_s is None and _has_token(chunk):
+                sample.ttft_s = time.perf_counter() - started
+            if chunk.get("usage"):
+                _take_usage(sample, chunk["usage"])
+
+
+class _ServerError(Exception):
+    pass
+
+
+def _raise_for_body(status: int, text: str) -> None:
+    try:
+        error = json.loads(text).get("error") or {}
+    except ValueError:
+        error = {}
+    message = error.get("message") if isinstance(error, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if code == "context_length_exceeded" or (status == 400 and "context" in (message or text).lower()):
+        raise ContextTooLong(message or text)
+    raise _ServerError(f"HTTP {status}: {(message or text)[:300]}")
+
+
+def _has_token(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls"):
+            return True
+    return False
+
+
+def _take_usage(sample: Sample, usage: dict[str, Any]) -> None:
+    sample.prompt_tokens = usage.get("prompt_tokens")
+    sample.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    sample.cached_tokens = int(cached) if cached is not None else None

@@ -1,0 +1,188 @@
+"""Run `toolkv bench`: the scenarios over HTTP (with a progress bar), then the floor in-process;
+write bench.json and the plots into --out and print the table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from gateway.bench.client import BenchClient, ContextTooLong, Sample
+from gateway.bench.floor import FloorResult, measure_floors
+from gateway.bench.plots import write_plots
+from gateway.bench.report import build_report, print_table
+from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
+from gateway.bench.server import ServerFailed, SpawnedServer
+from gateway.bench.workload import Workload, WorkloadError, load_tools
+
+FLOOR_QUESTIONS = 5
+
+
+def run(args: argparse.Namespace) -> int:
+    console, progress_console = Console(), Console(stderr=True)
+    try:
+        plan, catalog = _plan(args), load_tools(args.tools_file)
+    except (WorkloadError, ValueError) as exc:
+        progress_console.print(f"toolkv bench: {exc}")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir, own_cache = _cache_dir(args)
+    started = time.perf_counter()
+    try:
+        results, meta, workload = asyncio.run(_run_http(args, plan, catalog, out_dir, cache_dir, progress_console))
+    except ServerFailed as exc:
+        progress_console.print(f"toolkv bench: {exc}")
+        return 1
+    finally:
+        if own_cache and cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    floors, floor_skipped = _floors(args, meta, plan, results, workload, progress_console)
+    meta["duration_s"] = round(time.perf_counter() - started, 1)
+    report = build_report(meta, results, floors, floor_skipped)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    plots = write_plots(report, out_dir)
+    print_table(report, console)
+    console.print(f"wrote {out_dir / 'bench.json'}, " + ", ".join(str(p) for p in plots))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    plan = Plan.quick(args.tools or 10) if args.quick else Plan(tools=args.tools or 20)
+    changes: dict[str, Any] = {k: v for k, v in (("requests", args.requests), ("groups", args.groups),
+                                                 ("clients", args.clients)) if v is not None}
+    if args.tool_counts:
+        changes["tool_counts"] = tuple(int(n) for n in args.tool_counts.split(","))
+    plan = dataclasses.replace(plan, **changes)
+    if min(plan.tools, plan.requests, plan.groups, plan.clients, *plan.tool_counts) < 1:
+        raise ValueError("--tools, --requests, --groups, --clients and --tool-counts must be at least 1")
+    return plan
+
+
+def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """The spawned server's cache dir, and whether the bench made it (and so removes it)."""
+    if not args.spawn:
+        return None, False
+    if args.cache_dir:
+        return Path(args.cache_dir), False
+    return Path(tempfile.mkdtemp(prefix="toolkv-bench-")), True
+
+
+async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str, Any]], out_dir: Path,
+                    cache_dir: Path | None, console: Console) -> tuple[list[ScenarioResult], dict[str, Any], Workload]:
+    server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
+                           config=args.config) if cache_dir is not None else None
+    clock_zero = time.perf_counter()
+    if server is not None:
+        console.print(f"starting toolkv serve (log: {server.log_path}) ...")
+    base_url = await server.start() if server is not None else args.base_url
+    client = BenchClient(base_url, args.api_key, args.timeout, clock_zero)
+    try:
+        served = await client.served_model()
+        model = (args.model if not args.spawn else None) or served
+        workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
+                            max_tokens=args.max_tokens or (4 if args.quick else 8),
+                            tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
+        names = args.scenario or [n for n in SCENARIOS if n != "restart" or args.spawn]
+        results = await _run_scenarios(names, client, workload, plan, server, console)
+    finally:
+        await client.aclose()
+        if server is not None:
+            await server.stop()
+    meta = _meta(args, plan, base_url, served, workload)
+    return results, meta, workload
+
+
+async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
+                         server: SpawnedServer | None, console: Console) -> list[ScenarioResult]:
+    total = sum(SCENARIOS[n].planned(plan) for n in names)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("starting", total=total)
+
+        def on_sample(s: Sample) -> None:
+            ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
+            progress.update(task, advance=1, description=f"{s.scenario:<11} last: {s.cache:<6} {ttft:>9}")
+
+        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n))
+        results, done = [], 0
+        for name in names:
+            progress.update(task, description=f"{name:<11}")
+            try:
+                results.append(await SCENARIOS[name].run(ctx))
+            except ContextTooLong as exc:
+                results.append(ScenarioResult(name, skipped=f"the prompt exceeds the model's context: {exc}"))
+            done += SCENARIOS[name].planned(plan)
+            progress.update(task, completed=done)
+    return results
+
+
+def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | None,
+          workload: Workload) -> dict[str, Any]:
+    return {
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "toolkv " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
+        "base_url": base_url, "spawned": bool(args.spawn), "model": served, "run_id": workload.run_id,
+        "options": {**dataclasses.asdict(plan), "max_tokens": workload.max_tokens,
+                    "tool_choice": workload.tool_choice, "tools_in_system": workload.tools_in_system,
+                    "tools_file": str(args.tools_file), "quick": bool(args.quick)},
+        "host": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    }
+
+
+def _floors(args: argparse.Namespace, meta: dict[str, Any], plan: Plan, results: list[ScenarioResult],
+            workload: Workload, console: Console) -> tuple[dict[int, FloorResult], str | None]:
+    if args.no_floor:
+        return {}, "disabled with --no-floor"
+    try:
+        settings = _floor_settings(args, meta.get("model"))
+        if settings is None:
+            return {}, "the server's model is not the configured one: pass --floor-model"
+        groups = _floor_groups(results, plan, args.quick)
+        bodies = {label: [workload.body(workload.group(label, n), 1) for _ in range(3 if args.quick else FLOOR_QUESTIONS)]
+                  for label, n in groups.items()}
+        with console.status(f"measuring the floor in-process ({settings.model}, groups {', '.join(groups)}) ..."):
+            measured = measure_floors(settings, bodies)
+    except Exception as exc:  # noqa: BLE001 - the floor is an extra: never lose the HTTP results to it
+        return {}, f"{type(exc).__name__}: {exc}"
+    return {f.num_tools: f for f in measured.values()}, None
+
+
+def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:
+    """Settings for the in-process model, or None when it would not be the server's model."""
+    from gateway.cli import DEFAULT_CONFIG
+    from gateway.model_loader import resolve_source
+    from gateway.settings import load_settings
+
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    model = args.floor_model or (args.model if args.spawn else None)
+    settings = load_settings(config, {"model": model})
+    if model is None and not args.spawn and resolve_source(settings).served_name != served:
+        return None
+    return settings
+
+
+def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dict[str, int]:
+    """One group per size that had hits on a group starting at tool 0: label -> tools."""
+    by_size: dict[int, str] = {}
+    for result in results:
+        for s in result.samples:
+            if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:
+                by_size[s.num_tools] = s.group
+    if quick:
+        by_size = {n: label for n, label in by_size.items() if n == plan.tools}
+    return {label: n for n, label in sorted(by_size.items())}

@@ -1,0 +1,62 @@
+"""The `toolkv bench` command line. Only argparse here: the bench's own dependencies (httpx, rich,
+matplotlib: the `bench` extra) are imported when the command runs, so `toolkv serve` never needs them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.bench.workload import DEFAULT_TOOLS_FILE
+
+SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent")
+
+
+def register(sub: Any) -> None:
+    """Add the `bench` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("bench", help="measure TTFT, latency and cache hits through the HTTP API",
+                       description="Measure an OpenAI-compatible server (toolkv or a peer) with streaming "
+                                   "requests. Scenarios: " + ", ".join(SCENARIO_NAMES) + ".")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="the server to measure, e.g. http://127.0.0.1:8000")
+    target.add_argument("--spawn", action="store_true",
+                        help="start `toolkv serve` on a fresh cache dir and stop it at the end (the restart "
+                             "scenario needs this)")
+    p.add_argument("--model", help="the model id to request (default: the first of GET /v1/models); "
+                                    "with --spawn, also what the server loads")
+    p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
+                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all; restart only with --spawn)")
+    p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
+    p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
+    p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")
+    p.add_argument("--tools", type=int, help="tools per group (default 20; 10 with --quick)")
+    p.add_argument("--tool-counts", help="comma list for the toolcount scenario (default 5,10,20,50)")
+    p.add_argument("--groups", type=int, help="tool groups in the interleaved scenario (default 3)")
+    p.add_argument("--clients", type=int, help="concurrent clients in the concurrent scenario (default 4)")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
+    p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
+                   help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "
+                        "measures prefill; auto: toolkv holds a tool call back until it is complete")
+    p.add_argument("--tools-in-system", action="store_true",
+                   help="write the tools into the system message instead of `tools` (for servers whose chat "
+                        "template drops tools, e.g. llama.cpp's chatml): every server sees the same text")
+    p.add_argument("--quick", action="store_true", help="a smaller run (about a minute on the default model)")
+    p.add_argument("--api-key", help="sent as a bearer token")
+    p.add_argument("--config", help="settings file for --spawn and the floor (default: config/toolkv.toml)")
+    p.add_argument("--cache-dir", help="with --spawn: the server's cache dir (default: a temporary one)")
+    p.add_argument("--floor-model", help="model to load in-process for the floor (default: the spawned "
+                                         "model, or the configured one when the server serves it)")
+    p.add_argument("--no-floor", action="store_true", help="skip the in-process floor measurement")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        from gateway.bench.command import run
+    except ImportError as exc:
+        print(f"toolkv bench needs the bench extra ({exc.name} is missing): pip install 'toolkv[bench]'",
+              file=sys.stderr)
+        return 2
+    return run(args)

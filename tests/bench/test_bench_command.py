@@ -1,0 +1,117 @@
+"""`toolkv bench` end to end against a tiny random-weight model served on 127.0.0.1: the report
+has its structure, the classes come from cached_tokens, and the plots are real PNG files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from gateway.cli import main
+from gateway.settings import load_settings
+from tests.support.server import LiveServer, serve
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
+                                        "served_model_name": "tiny-llama",
+                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
+    with serve(settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def report(live: LiveServer, tiny_model_dir: Callable[..., Path],
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    code = main(["bench", "--base-url", live.base_url, "--quick", "--out", str(out), "--tools", "4",
+                 "--tool-counts", "2,4,100", "--groups", "3", "--clients", "3",
+                 "--scenario", "single", "toolcount", "interleaved", "restart", "concurrent",
+                 "--floor-model", str(tiny_model_dir("llama"))])
+    assert code == 0
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def test_report_has_every_scenario_with_stats_per_class(report):
+    data, _ = report
+    assert data["toolkv_bench"] == 1 and data["model"] == "tiny-llama"
+    assert set(data["scenarios"]) == {"single", "toolcount", "interleaved", "restart", "concurrent"}
+    single = data["scenarios"]["single"]
+    for cls in ("miss", "hit", "bypass"):
+        assert single["classes"][cls]["n"] >= 1
+        assert single["classes"][cls]["ttft_ms"]["p50"] > 0
+        assert single["classes"][cls]["ttft_ms"]["p95"] >= single["classes"][cls]["ttft_ms"]["p50"]
+    assert single["classes"]["errors"]["n"] == 0
+    sample = single["samples"][0]
+    assert {"ttft_s", "total_s", "cached_tokens", "prompt_tokens", "completion_tokens", "cache"} <= set(sample)
+
+
+def test_speedup_is_miss_p50_over_hit_p50(report):
+    single = report[0]["scenarios"]["single"]
+    miss, hit = single["classes"]["miss"]["ttft_ms"]["p50"], single["classes"]["hit"]["ttft_ms"]["p50"]
+    assert single["speedup"] == pytest.approx(miss / hit, rel=0.01)
+
+
+def test_classes_follow_cached_tokens(report):
+    for scenario in report[0]["scenarios"].values():
+        for s in scenario.get("samples", []):
+            if s["cache"] != "bypass":
+                assert s["cache"] == ("hit" if s["cached_tokens"] > 0 else "miss")
+            else:
+                assert s["cached_tokens"] == 0
+
+
+def test_interleaved_groups_hit_after_their_first_request(report):
+    inter = report[0]["scenarios"]["interleaved"]
+    assert inter["order"] == "ABCABC"
+    assert inter["sequence"] == ["miss"] * 3 + ["hit"] * 3
+    assert inter["every_repeat_hit"] is True
+    assert report[0]["targets"]["interleaved_every_repeat_hits"] is True
+
+
+def test_toolcount_skips_a_group_beyond_the_context(report):
+    counts = report[0]["scenarios"]["toolcount"]
+    assert set(counts["by_tools"]) == {"2", "4"}
+    assert "context" in counts["skipped_counts"]["100"]
+    for block in counts["by_tools"].values():
+        assert block["classes"]["miss"]["n"] == 1 and block["classes"]["hit"]["n"] == 1
+
+
+def test_restart_without_spawn_is_reported_as_skipped(report):
+    assert "--spawn" in report[0]["scenarios"]["restart"]["skipped"]
+    assert report[0]["targets"]["restart_at_least_10x_faster"] is None
+
+
+def test_floor_and_hit_overhead_are_measured(report):
+    data = report[0]
+    assert data["floor"]["skipped"] is None
+    floor = data["floor"]["by_tools"]["4"]
+    assert floor["prefix_tokens"] > 8 and floor["suffix_tokens"] > 0
+    assert floor["floor_ms"]["p50"] > 0 and floor["engine_hit_prefill_ms"]["p50"] > 0
+    single = data["scenarios"]["single"]
+    assert single["floor_ms_p50"] == floor["floor_ms"]["p50"]
+    assert single["hit_overhead_ms"] == pytest.approx(
+        single["classes"]["hit"]["ttft_ms"]["p50"] - floor["floor_ms"]["p50"], abs=0.2)
+
+
+def test_concurrent_clients_all_get_answers(report):
+    conc = report[0]["scenarios"]["concurrent"]
+    assert conc["clients"] == 3 and conc["classes"]["hit"]["n"] == 3
+    assert conc["requests_per_s"] > 0
+
+
+def test_plots_are_png_files(report):
+    _, out = report
+    for name in ("ttft_vs_tools.png", "timeline.png"):
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        with Image.open(path) as image:
+            image.verify()
+            assert image.size[0] > 200 and image.size[1] > 200

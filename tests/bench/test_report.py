@@ -1,0 +1,52 @@
+"""Report arithmetic on hand-made samples: percentiles, classes, speedup, the floor's overhead."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.bench.client import Sample
+from gateway.bench.floor import FloorResult
+from gateway.bench.report import block, percentile, targets
+
+
+def sample(ttft_s: float, cached: int | None, *, bypass: bool = False, expected: str = "any",
+           offset: int = 0) -> Sample:
+    return Sample("single", "main", 20, offset, expected, bypass, 0.0, ttft_s=ttft_s, total_s=ttft_s + 0.7,
+                  prompt_tokens=3000, cached_tokens=cached, completion_tokens=8)
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_class_comes_from_cached_tokens_and_the_bypass_header():
+    assert sample(1.0, 2990).cache == "hit"
+    assert sample(1.0, 0, expected="hit").cache == "miss"  # the server's word wins over the plan
+    assert sample(1.0, 0, bypass=True).cache == "bypass"
+    assert sample(1.0, None, expected="hit").cache == "hit"  # a server that reports no cached_tokens
+
+
+def test_speedup_floor_and_overhead():
+    samples = [sample(8.0, 0), sample(10.0, 0), sample(0.40, 2990), sample(0.50, 2990), sample(0.45, 2990),
+               sample(9.0, 0, bypass=True), sample(5.0, 2990, offset=20)]  # another slice: not in the overhead
+    floor = FloorResult("main", 20, 2990, 30, 8.0, (400.0, 420.0, 440.0), (1.0,), (5.0,), (425.0,))
+    out = block(samples, {20: floor})
+    assert out["classes"]["miss"]["ttft_ms"] == {"p50": 9000.0, "p95": 9900.0}
+    assert out["classes"]["hit"]["n"] == 4 and out["classes"]["bypass"]["n"] == 1
+    assert out["speedup"] == pytest.approx(9000.0 / out["classes"]["hit"]["ttft_ms"]["p50"], rel=0.01)
+    assert out["floor_ms_p50"] == 420.0
+    assert out["hit_overhead_ms"] == pytest.approx(450.0 - 420.0)
+    assert out["classes"]["hit"]["decode_tokens_per_s_p50"] == pytest.approx(7 / 0.7)
+
+
+def test_targets_are_unknown_when_not_measured():
+    assert targets({}) == {"hit_speedup_at_least_15x": None, "hit_overhead_under_20ms": None,
+                           "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None}
+    measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
+                        "interleaved": {"every_repeat_hit": True},
+                        "restart": {"skipped": None, "first_after_restart": "miss", "speedup": 1.1}})
+    assert measured == {"hit_speedup_at_least_15x": True, "hit_overhead_under_20ms": True,
+                        "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False}

@@ -1,0 +1,25 @@
+"""An agent loop through the HTTP API: recorded tau-bench airline turns (a long policy + 14 tools,
+then a growing history of calls and results) hit the cached tool group from the second step on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tools.models import SETUPS
+from tests.tools.test_families import tau_turns
+from tests.tools.wire import post
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_every_step_after_the_first_hits_the_same_tool_group(family_server, setup):
+    live = family_server(setup)
+    usages = []
+    for turn in tau_turns(task_id=2, count=3):
+        resp = post(live, {"messages": turn["messages"], "tools": turn["tools"], "max_tokens": 1,
+                           "temperature": 0})
+        usages.append(resp["usage"])
+    first, *later = usages
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = {u["prompt_tokens_details"]["cached_tokens"] for u in later}
+    assert len(cached) == 1 and cached.pop() > 1000
+    assert all(u["prompt_tokens"] > first["prompt_tokens"] for u in later)  # the history grew
