@@ -120,4 +120,5 @@ class ChatFamily(ABC):
     # when the model's template does not keep the tool group at the head (Mistral's puts tools
     # before the last user message, so no prefix could be shared between turns).
     tools_template: str | None = None
+    call_markers: tuple[str, ...] = ()  # special tokens that open a call; kept in the output text
     tool_result_role: str = "user"  # the role tool results are written under when the template has none

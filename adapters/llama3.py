@@ -27,6 +27,7 @@ class Llama3Family(ChatFamily):
     tool_parser = "llama3"
     default_template = LLAMA3_TEMPLATE
     tool_result_role = "ipython"
+    call_markers = ("<|python_tag|>",)
 
     def tools_block(self, tools: tuple[ToolSpec, ...]) -> str:
         return _TOOLS_HEADER + "".join(json.dumps(t.openai_dict(), indent=4, ensure_ascii=False) + "\n\n"

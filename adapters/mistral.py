@@ -42,6 +42,7 @@ class MistralFamily(ChatFamily):
     tool_parser = "mistral"
     default_template = MISTRAL_TEMPLATE
     tools_template = MISTRAL_TEMPLATE
+    call_markers = ("[TOOL_CALLS]",)
 
     def tools_block(self, tools: tuple[ToolSpec, ...]) -> str:
         listing = json.dumps([t.openai_dict() for t in tools], ensure_ascii=False)

@@ -71,6 +71,7 @@ class Job:
     salt: str = ""
     group_id: str = ""
     tool_names: tuple[str, ...] = ()
+    keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -96,6 +97,7 @@ class Engine:
         self.min_prefix_tokens = min_prefix_tokens
         self.device = device
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.special_ids = _special_ids(tokenizer)
         self._jobs: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self.busy = False
@@ -249,7 +251,7 @@ class Engine:
 
     def _decode(self, job: Job, logits: torch.Tensor, cache: Any) -> None:
         sampler = Sampler(job.params)
-        stream = TextStream(self.tokenizer, job.params.stop)
+        stream = TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids)
         for count in range(1, job.params.max_tokens + 1):
             if job.cancelled.is_set():
                 self.num_cancelled += 1
@@ -287,4 +289,11 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eom_id|>"):
         if token in vocab:
             ids.add(vocab[token])
+    return frozenset(ids)
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
     return frozenset(ids)

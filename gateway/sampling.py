@@ -55,17 +55,25 @@ class TextStream:
     """Accumulates generated tokens; yields only text that is final (complete characters, and not
     possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears."""
 
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...]) -> None:
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...],
+                 special_ids: frozenset[int] = frozenset(), keep_ids: frozenset[int] = frozenset()) -> None:
         self.decoder = decoder
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.emitted_chars = 0
         self.stopped = False
+        # Special tokens are dropped from the text, except the family's tool-call markers (a
+        # Mistral model writes `[TOOL_CALLS]` as one special token, and the parser needs it).
+        self.keep_ids = keep_ids
+        self.hidden_ids = special_ids - keep_ids
+        self._visible: list[int] = []
 
     def push(self, token_id: int) -> str:
         self.token_ids.append(token_id)
-        text = self.decoder.decode(self.token_ids, skip_special_tokens=True)
+        if token_id not in self.hidden_ids:
+            self._visible.append(token_id)
+        text = self._text()
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         end = self._stop_at(text)
@@ -77,8 +85,13 @@ class TextStream:
     def flush(self) -> str:
         if self.stopped:
             return ""
-        text = self.decoder.decode(self.token_ids, skip_special_tokens=True)
+        text = self._text()
         return self._take(text, len(text))
+
+    def _text(self) -> str:
+        if not self.keep_ids:
+            return self.decoder.decode(self.token_ids, skip_special_tokens=True)
+        return self.decoder.decode(self._visible, skip_special_tokens=False)
 
     def _stop_at(self, text: str) -> int | None:
         start = max(0, self.emitted_chars - self.holdback)

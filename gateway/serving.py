@@ -62,6 +62,7 @@ class ChatService:
         self.tokenizer = tokenizer
         self.family = family
         self.renderer = PromptRenderer(tokenizer, family)
+        self.marker_ids = _marker_ids(tokenizer, family.call_markers)
         self.model_name = model_name
         self.context_len = context_len
         self.metrics = metrics
@@ -83,11 +84,13 @@ class ChatService:
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
+        tools_active = bool(tools) and req.tool_choice != "none"
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, group_id=rendered.group.group_id,
-                  tool_names=rendered.group.tool_names)
+                  tool_names=rendered.group.tool_names,
+                  keep_token_ids=self.marker_ids if tools_active else frozenset())
         return Prepared(job=job, model_name=self.model_name,
-                        tools_active=bool(tools) and req.tool_choice != "none",
+                        tools_active=tools_active,
                         forced_opening=forced.opening, single_call=single_call,
                         use_cache=use_cache, group_id=rendered.group.group_id)
 
@@ -318,6 +321,12 @@ def _forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | Non
     if req.tool_choice == "required" and len(tools) == 1:
         return tools[0].name
     return None
+
+
+def _marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:
+    """Ids of the family's call markers that are single tokens in this vocabulary."""
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[m] for m in markers if m in vocab)
 
 
 def _unset_emit(event: EngineEvent) -> None:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
-from gateway.bench.floor import FloorResult, measure_floors
+from gateway.bench.floor import FloorProbe, FloorResult, measure_floor
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
@@ -44,14 +44,14 @@ def run(args: argparse.Namespace) -> int:
     cache_dir, own_cache = _cache_dir(args)
     started = time.perf_counter()
     try:
-        results, meta, workload = asyncio.run(_run_http(args, plan, catalog, out_dir, cache_dir, progress_console))
+        results, floors, floor_skipped, meta = asyncio.run(
+            _run_http(args, plan, catalog, out_dir, cache_dir, progress_console))
     except ServerFailed as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 1
     finally:
         if own_cache and cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
-    floors, floor_skipped = _floors(args, meta, plan, results, workload, progress_console)
     meta["duration_s"] = round(time.perf_counter() - started, 1)
     report = build_report(meta, results, floors, floor_skipped)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
@@ -83,7 +83,8 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str, Any]], out_dir: Path,
-                    cache_dir: Path | None, console: Console) -> tuple[list[ScenarioResult], dict[str, Any], Workload]:
+                    cache_dir: Path | None, console: Console
+                    ) -> tuple[list[ScenarioResult], dict[int, FloorResult], str | None, dict[str, Any]]:
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
                            config=args.config) if cache_dir is not None else None
     clock_zero = time.perf_counter()
@@ -99,12 +100,12 @@ async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
         names = args.scenario or [n for n in SCENARIOS if n != "restart" or args.spawn]
         results = await _run_scenarios(names, client, workload, plan, server, console)
+        floors, floor_skipped = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
         if server is not None:
             await server.stop()
-    meta = _meta(args, plan, base_url, served, workload)
-    return results, meta, workload
+    return results, floors, floor_skipped, _meta(args, plan, client.base_url, served, workload)
 
 
 async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
@@ -134,7 +135,7 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
 def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | None,
           workload: Workload) -> dict[str, Any]:
     return {
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "toolkv " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
         "base_url": base_url, "spawned": bool(args.spawn), "model": served, "run_id": workload.run_id,
         "options": {**dataclasses.asdict(plan), "max_tokens": workload.max_tokens,
@@ -144,22 +145,27 @@ def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | Non
     }
 
 
-def _floors(args: argparse.Namespace, meta: dict[str, Any], plan: Plan, results: list[ScenarioResult],
-            workload: Workload, console: Console) -> tuple[dict[int, FloorResult], str | None]:
+async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
+                  client: BenchClient, workload: Workload, console: Console) -> tuple[dict[int, FloorResult], str | None]:
+    """The floor per group size, each timing paired with an HTTP hit; or why it was skipped."""
     if args.no_floor:
         return {}, "disabled with --no-floor"
+    probe = None
     try:
-        settings = _floor_settings(args, meta.get("model"))
+        settings = _floor_settings(args, served)
         if settings is None:
             return {}, "the server's model is not the configured one: pass --floor-model"
         groups = _floor_groups(results, plan, args.quick)
-        bodies = {label: [workload.body(workload.group(label, n), 1) for _ in range(3 if args.quick else FLOOR_QUESTIONS)]
-                  for label, n in groups.items()}
         with console.status(f"measuring the floor in-process ({settings.model}, groups {', '.join(groups)}) ..."):
-            measured = measure_floors(settings, bodies)
+            probe = await asyncio.to_thread(FloorProbe, settings)
+            measured = [await measure_floor(probe, client, workload, workload.group(label, n),
+                                            3 if args.quick else FLOOR_QUESTIONS) for label, n in groups.items()]
     except Exception as exc:  # noqa: BLE001 - the floor is an extra: never lose the HTTP results to it
         return {}, f"{type(exc).__name__}: {exc}"
-    return {f.num_tools: f for f in measured.values()}, None
+    finally:
+        if probe is not None:
+            probe.close()
+    return {f.num_tools: f for f in measured}, None
 
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:

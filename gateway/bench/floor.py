@@ -1,19 +1,23 @@
 """The floor: what a hit cannot go below. The bench loads the same model in its own process
-(after the HTTP scenarios, so the two never compete for the CPU), compiles the group's prefix
-once, then times what a hit must do on the engine thread — restore the prefix KV and prefill the
-suffix — for the same requests the scenarios sent.
+(after the scenarios, while the server idles), compiles a group's prefix once, then times what a
+hit must do on the engine thread: restore the prefix KV and prefill the suffix.
 
-Also timed, to show where a hit's overhead goes: `prepare` (render + tokenize, in the server's
-event loop) and the engine's own hit prefill through a real job (adds key hash and lookup).
+Each floor timing is paired with a real HTTP hit on the same group sent just before it, so the
+overhead (HTTP TTFT - floor) compares two numbers taken under the same machine load. Also timed:
+`prepare` (render + tokenize, in the server's event loop) and the engine's own hit prefill
+through a queued job (adds key hash and lookup).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.bench.client import BenchClient, Sample
+from gateway.bench.workload import ToolGroup, Workload
 from gateway.settings import Settings
 
 
@@ -32,69 +36,94 @@ class FloorResult:
     restore_ms: tuple[float, ...]
     prepare_ms: tuple[float, ...]
     engine_hit_ms: tuple[float, ...]
+    http_ttft_ms: tuple[float | None, ...] = ()  # the paired HTTP hit before each floor (None: not a hit)
 
 
-def measure_floors(settings: Settings, bodies_by_group: dict[str, list[dict[str, Any]]]) -> dict[str, FloorResult]:
-    """Load the model once and measure the floor for each group (bodies: its requests)."""
-    from gateway.metrics import Metrics
-    from gateway.runtime import build_runtime
+class FloorProbe:
+    """The model in this process (no disk tier), driven on its own engine thread."""
 
-    runtime = build_runtime(settings.model_copy(update={"disk_budget_bytes": 0}), Metrics())
-    try:
-        return {label: _measure(runtime, label, bodies) for label, bodies in bodies_by_group.items()}
-    finally:
-        runtime.engine.stop()
+    def __init__(self, settings: Settings) -> None:
+        from gateway.metrics import Metrics
+        from gateway.runtime import build_runtime
 
+        self.runtime = build_runtime(settings.model_copy(update={"disk_budget_bytes": 0}), Metrics())
+        self.engine = self.runtime.engine
 
-def _measure(runtime: Any, label: str, bodies: list[dict[str, Any]]) -> FloorResult:
-    from gateway.protocol import ChatCompletionRequest
+    def close(self) -> None:
+        self.engine.stop()
 
-    service, engine = runtime.service, runtime.engine
-    prepare_ms: list[float] = []
-    jobs = []
-    for body in bodies:
+    def prepare(self, body: dict[str, Any]) -> tuple[Any, float]:
+        """The engine job the server would build for `body`, and the time that took (ms)."""
+        from gateway.protocol import ChatCompletionRequest
+
         started = time.perf_counter()
-        jobs.append(service.prepare(ChatCompletionRequest.model_validate({**body, "max_tokens": 1})).job)
-        prepare_ms.append(_ms_since(started))
-    first = jobs[0]
-    if first.prefix_len < engine.min_prefix_tokens or first.prefix_len >= len(first.prompt_ids):
-        raise FloorError(f"group {label}: no cacheable prefix ({first.prefix_len} tokens)")
-    key = engine.key_for(first.prompt_ids[: first.prefix_len])
-    entry = engine.call(lambda: engine.compile_prefix(key, first.group_id, first.tool_names)).result()
-    engine.call(lambda: _time_hit(engine, entry, first)).result()  # warm-up, not counted
-    timings = [engine.call(lambda job=job: _time_hit(engine, entry, job)).result() for job in jobs]
-    return FloorResult(
-        group=label, num_tools=len(first.tool_names), prefix_tokens=first.prefix_len,
-        suffix_tokens=len(first.prompt_ids) - first.prefix_len, compile_s=round(entry.compile_s, 3),
-        floor_ms=tuple(total for _, total in timings), restore_ms=tuple(restore for restore, _ in timings),
-        prepare_ms=tuple(prepare_ms), engine_hit_ms=tuple(_engine_hit_ms(engine, job) for job in jobs))
+        job = self.runtime.service.prepare(ChatCompletionRequest.model_validate({**body, "max_tokens": 1})).job
+        return job, _ms_since(started)
+
+    def compile(self, job: Any) -> Any:
+        if job.prefix_len < self.engine.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
+            raise FloorError(f"no cacheable prefix ({job.prefix_len} tokens)")
+        key = self.engine.key_for(job.prompt_ids[: job.prefix_len])
+        return self.engine.call(lambda: self.engine.compile_prefix(key, job.group_id, job.tool_names)).result()
+
+    def time_hit(self, entry: Any, job: Any) -> tuple[float, float]:
+        """(restore ms, restore + suffix prefill ms), timed on the engine thread."""
+        return self.engine.call(lambda: _time_hit(self.engine, entry, job)).result()  # type: ignore[no-any-return]
+
+    def engine_hit_ms(self, job: Any) -> float:
+        """Run the job through the engine's queue; return its own prefill time (a hit)."""
+        from gateway.engine import Failed, Finished, Prefilled
+
+        events: queue.Queue[Any] = queue.Queue()
+        job.emit = events.put
+        self.engine.submit(job)
+        prefill_ms = float("nan")
+        while not isinstance(event := events.get(timeout=600), (Finished, Failed)):
+            if isinstance(event, Prefilled):
+                if event.result != "hit":
+                    raise FloorError(f"the floor's own request was a {event.result}, not a hit")
+                prefill_ms = event.prefill_s * 1000
+        if isinstance(event, Failed):
+            raise FloorError(event.message)
+        return prefill_ms
+
+
+async def measure_floor(probe: FloorProbe, client: BenchClient, workload: Workload, group: ToolGroup,
+                        num_questions: int) -> FloorResult:
+    """Alternate an HTTP hit on `group` with the floor of a fresh question on the same group."""
+    first, _ = probe.prepare(workload.body(group, 1))
+    entry = await asyncio.to_thread(probe.compile, first)
+    await _http_hit(client, workload, group)  # the server may have evicted the group: warm it
+    await asyncio.to_thread(probe.time_hit, entry, first)  # warm-up, not counted
+    floors, restores, prepares, engine = [], [], [], []
+    http: list[float | None] = []
+    for _ in range(num_questions):
+        sample = await _http_hit(client, workload, group)
+        hit = sample.cache == "hit" and sample.ttft_s is not None
+        http.append(round(sample.ttft_s * 1000, 3) if hit and sample.ttft_s is not None else None)
+        job, prepare_ms = probe.prepare(workload.body(group, 1))
+        restore_ms, floor_ms = await asyncio.to_thread(probe.time_hit, entry, job)
+        floors.append(floor_ms)
+        restores.append(restore_ms)
+        prepares.append(prepare_ms)
+        engine.append(await asyncio.to_thread(probe.engine_hit_ms, probe.prepare(workload.body(group, 1))[0]))
+    return FloorResult(group=group.label, num_tools=group.num_tools, prefix_tokens=first.prefix_len,
+                       suffix_tokens=len(first.prompt_ids) - first.prefix_len, compile_s=round(entry.compile_s, 3),
+                       floor_ms=tuple(floors), restore_ms=tuple(restores), prepare_ms=tuple(prepares),
+                       engine_hit_ms=tuple(engine), http_ttft_ms=tuple(http))
+
+
+async def _http_hit(client: BenchClient, workload: Workload, group: ToolGroup) -> Sample:
+    sample = Sample("floor", group.label, group.num_tools, group.offset, "hit", False, 0.0)
+    return await client.chat(workload.body(group, 1), sample)
 
 
 def _time_hit(engine: Any, entry: Any, job: Any) -> tuple[float, float]:
-    """On the engine thread: (restore ms, restore + suffix prefill ms)."""
     started = time.perf_counter()
     cache = engine.restore(entry)
     restored = _ms_since(started)
     engine._forward(job.prompt_ids[job.prefix_len :], cache)  # the hit path's own suffix prefill
     return restored, _ms_since(started)
-
-
-def _engine_hit_ms(engine: Any, job: Any) -> float:
-    """Run the job through the engine's queue; return its own prefill time (a hit)."""
-    from gateway.engine import Failed, Finished, Prefilled
-
-    events: queue.Queue[Any] = queue.Queue()
-    job.emit = events.put
-    engine.submit(job)
-    prefill_ms = float("nan")
-    while not isinstance(event := events.get(timeout=600), (Finished, Failed)):
-        if isinstance(event, Prefilled):
-            if event.result != "hit":
-                raise FloorError(f"the floor's own request was a {event.result}, not a hit")
-            prefill_ms = event.prefill_s * 1000
-    if isinstance(event, Failed):
-        raise FloorError(event.message)
-    return prefill_ms
 
 
 def _ms_since(started: float) -> float:

@@ -95,6 +95,8 @@ def test_floor_and_hit_overhead_are_measured(report):
     floor = data["floor"]["by_tools"]["4"]
     assert floor["prefix_tokens"] > 8 and floor["suffix_tokens"] > 0
     assert floor["floor_ms"]["p50"] > 0 and floor["engine_hit_prefill_ms"]["p50"] > 0
+    assert floor["n"] == 3 and floor["paired_http_hit_ttft_ms"]["p50"] > 0  # every paired request was a hit
+    assert floor["paired_overhead_ms"]["p50"] is not None
     single = data["scenarios"]["single"]
     assert single["floor_ms_p50"] == floor["floor_ms"]["p50"]
     assert single["hit_overhead_ms"] == pytest.approx(

@@ -22,11 +22,7 @@ TOOLS = [
                                           "user_id": {"type": "string"}}, "required": ["user_id"]}}},
 ]
 CALLS = [("get_order_details", {"order_id": "#W2378156"}), ("get_user_details", {"user_id": "yusuf_rossi_9620"})]
-MARKER_LOST = pytest.mark.xfail(strict=True, reason=(
-    "the engine detokenizes with skip_special_tokens=True, so a generated [TOOL_CALLS] special token "
-    "never reaches the parser (forced openings are unaffected); needs the engine to keep the "
-    "family's call markers"))
-AUTO_FAMILIES = ["chatml", "chatml-native", "llama3", pytest.param("mistral", marks=MARKER_LOST)]
+AUTO_FAMILIES = ["chatml", "chatml-native", "llama3", "mistral"]
 
 
 def model_writes(setup: str, calls: list[tuple[str, dict[str, Any]]], text: str | None = None) -> str:
