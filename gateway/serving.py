@@ -37,6 +37,7 @@ class Prepared:
     use_cache: bool
     group_id: str
     started: float = field(default_factory=time.perf_counter)
+    request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +171,7 @@ class ChatService:
         message, finish_reason = self._message("".join(outcome.text_parts), prepared, outcome.finish)
         usage = _usage(outcome)
         self._record(prepared, outcome, "200", stream=False)
-        return protocol.completion_dict(protocol.new_completion_id(), prepared.model_name, message,
+        return protocol.completion_dict(prepared.request_id, prepared.model_name, message,
                                         finish_reason, usage)
 
     def _message(self, text: str, prepared: Prepared, finish: Finished) -> tuple[dict[str, Any], str]:
@@ -189,7 +190,7 @@ class ChatService:
 
     async def stream(self, prepared: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage."""
-        cid, created, model = protocol.new_completion_id(), int(time.time()), prepared.model_name
+        cid, created, model = prepared.request_id, int(time.time()), prepared.model_name
         outcome = Outcome()
         streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
@@ -252,7 +253,7 @@ class ChatService:
         total_s = time.perf_counter() - prepared.started
         m.latency.labels(cache=pre.result).observe(total_s)
         log.info("request done", extra={"toolkv": {
-            "group_id": prepared.group_id, "prompt_tokens": pre.prompt_tokens,
+            "request_id": prepared.request_id, "group_id": prepared.group_id, "prompt_tokens": pre.prompt_tokens,
             "cached_tokens": pre.cached_tokens, "completion_tokens": completion,
             "cache": pre.result, "ttft_ms": round((outcome.ttft_s or 0) * 1000, 1),
             "latency_ms": round(total_s * 1000, 1), "status": status}})

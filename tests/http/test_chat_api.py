@@ -138,3 +138,21 @@ def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny-llama", messages=ask("x"), n=3)
     assert info.value.body["param"] == "n"
+
+
+def test_one_structured_log_line_per_request_without_the_prompt(client, merchant_tools, caplog):
+    import logging
+
+    from gateway.cli import _JsonFormatter
+
+    with caplog.at_level(logging.INFO, logger="gateway.serving"):
+        resp = client.chat.completions.create(model="tiny-llama", messages=ask("secret question 42"),
+                                              tools=merchant_tools[:3], tool_choice="none", max_tokens=3)
+    records = [r for r in caplog.records if r.getMessage() == "request done"]
+    assert len(records) == 1
+    line = json.loads(_JsonFormatter().format(records[0]))
+    assert line["request_id"] == resp.id
+    assert line["group_id"].startswith("tg_") and line["status"] == "200"
+    assert line["prompt_tokens"] == resp.usage.prompt_tokens
+    assert {"cached_tokens", "completion_tokens", "ttft_ms"} <= set(line)
+    assert "secret question" not in json.dumps(line)
