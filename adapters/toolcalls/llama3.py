@@ -45,7 +45,7 @@ class Llama3Parser(ToolCallParser):
 
 
 def _looks_like_call(body: str) -> bool:
-    return body.startswith("{") or body.startswith(PYTHON_TAG)
+    return body.startswith(("{", PYTHON_TAG))
 
 
 def _read_calls(body: str) -> list[ParsedToolCall]:
