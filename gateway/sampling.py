@@ -41,7 +41,8 @@ class Sampler:
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, descending=True)
-    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p  # always keeps the top token
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+    keep[0] = True  # the top token always stays, even when top_p underflows float32 to 0
     sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return filtered / filtered.sum()
