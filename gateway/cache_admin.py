@@ -16,7 +16,7 @@ from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import EntryInfo
 from gateway.protocol import ToolIn
-from gateway.serving import ChatService
+from gateway.serving import ChatService, check_unique_names
 
 # Stands in for the conversation: the cut at the end of the tool group happens just as it does
 # for a real chat request (the text after the group starts with the same turn marker).
@@ -93,12 +93,7 @@ def _check_tools(tools: list[ToolSpec], system: str | None, max_tools: int) -> N
         raise BadRequest("nothing to warm: send 'tools' (and optionally 'system')", param="tools")
     if len(tools) > max_tools:
         raise BadRequest(f"{len(tools)} tools; the limit is {max_tools}", param="tools")
-    seen: set[str] = set()
-    for index, tool in enumerate(tools):
-        if tool.name in seen:
-            raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
-                             param=f"tools[{index}].function.name")
-        seen.add(tool.name)
+    check_unique_names(tools)
 
 
 def _check_prefix_len(prefix_len: int, min_tokens: int, context_len: int) -> None:

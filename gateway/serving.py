@@ -75,7 +75,7 @@ class ChatService:
     def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "") -> Prepared:
         messages = [m.to_chat() for m in req.messages]
         tools = [t.to_spec() for t in req.tools or ()]
-        _check_unique_names(tools)
+        check_unique_names(tools)
         _check_tool_choice(req)
         rendered = self._render(messages, tools)
         forced = self._forced_call(req, tools)
@@ -297,7 +297,8 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
     return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0)
 
 
-def _check_unique_names(tools: list[Any]) -> None:
+def check_unique_names(tools: list[Any]) -> None:
+    """400 naming the first tool whose function name repeats an earlier one."""
     seen: set[str] = set()
     for index, tool in enumerate(tools):
         if tool.name in seen:
