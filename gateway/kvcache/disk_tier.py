@@ -215,6 +215,10 @@ class DiskTier:
             raise
         except OSError as exc:
             raise CacheFault("read", f"cannot read {path.name}: {exc}") from None
+        except RuntimeError as exc:  # safe_open's "unable to open file": another process removed it
+            if not path.exists():
+                raise FileNotFoundError(path) from exc
+            raise CacheFault("read", f"cannot read {path.name}: {exc}") from None
         except _MALFORMED as exc:
             raise CacheFault("corrupt", f"{path.name} is not a valid entry: {exc}") from None
 
