@@ -139,7 +139,7 @@ async def run_restart(ctx: Context) -> ScenarioResult:
     again = await ctx.send(name, group, "hit", phase="second-after-restart")
     result.samples += [before, first, again]
     result.details.update(restart_s=round(restart_s, 2), first_after_restart=first.cache,
-                          speedup=_ratio(before.ttft_s, first.ttft_s))
+                          restart_speedup=_ratio(before.ttft_s, first.ttft_s))
     if first.cache != "hit":
         result.notes.append("the first request after the restart missed: the server kept no disk tier "
                             "entry for the group (disk tier absent, disabled or not written)")

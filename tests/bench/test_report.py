@@ -47,6 +47,6 @@ def test_targets_are_unknown_when_not_measured():
                            "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None}
     measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
                         "interleaved": {"every_repeat_hit": True},
-                        "restart": {"skipped": None, "first_after_restart": "miss", "speedup": 1.1}})
+                        "restart": {"skipped": None, "first_after_restart": "miss", "restart_speedup": 1.1}})
     assert measured == {"hit_speedup_at_least_15x": True, "hit_overhead_under_20ms": True,
                         "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False}
