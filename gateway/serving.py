@@ -4,7 +4,6 @@ responses (whole or streamed). Owns tokenization and the cut at the end of the t
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import logging
 import time
@@ -19,6 +18,7 @@ from gateway import protocol
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
+from gateway.prompt_tokens import PromptTokenizer
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice
 from gateway.sampling import SamplingParams
 
@@ -63,6 +63,7 @@ class ChatService:
         self.tokenizer = tokenizer
         self.family = family
         self.renderer = PromptRenderer(tokenizer, family)
+        self.prompt_tokens = PromptTokenizer(tokenizer)
         self.marker_ids = _marker_ids(tokenizer, family.call_markers)
         self.model_name = model_name
         self.context_len = context_len
@@ -113,11 +114,8 @@ class ChatService:
         return ForcedCall(self.family.call_opening(name))
 
     def _tokenize(self, text: str, prefix_chars: int, opening: str) -> tuple[list[int], int]:
-        """Tokenize the whole prompt once, then cut at the last token that ends inside the prefix."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids: list[int] = list(enc["input_ids"])
-        ends = [end for _, end in enc["offset_mapping"]]
-        prefix_len = bisect.bisect_right(ends, prefix_chars) if prefix_chars else 0
+        """The prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the prefix."""
+        ids, prefix_len = self.prompt_tokens.encode(text, prefix_chars)
         if opening:  # the suffix only; the opening is generated text, never part of the prefix
             ids += self.tokenizer(opening, add_special_tokens=False)["input_ids"]
         return ids, prefix_len
