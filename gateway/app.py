@@ -104,6 +104,7 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
         tenant = request.app.state.keyring.tenant(request)
         req = await _parse_chat_request(request)
         check_request_limits(req, request.app.state.settings)
@@ -112,17 +113,18 @@ def _install_routes(app: FastAPI) -> None:
             raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
                                 f"'{runtime.model_name}'", param="model")
         bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
-        prepared = runtime.service.prepare(req, bypass=bypass)
+        prepared = runtime.service.prepare(req, bypass=bypass, received=received)
         prepared.job.salt = request.app.state.keyring.salt_for(tenant, prepared.group_id)
         in_flight = request.app.state.metrics.in_flight
         if not req.stream:
             with in_flight.track_inprogress():
-                return JSONResponse(await runtime.service.complete(prepared))
+                body = await runtime.service.complete(prepared)
+            return JSONResponse(body, headers=prepared.response_headers())
         chunks = runtime.service.stream(prepared, req.include_usage)
         first = await anext(chunks)  # errors before the first byte become plain HTTP errors
         grace_s = request.app.state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
         return EventSourceResponse(_tracked(in_flight, _sse(first, chunks)), sep="\n", ping=15,
-                                   shutdown_grace_period=grace_s)
+                                   headers=prepared.response_headers(), shutdown_grace_period=grace_s)
 
 
 async def _parse_chat_request(request: Request) -> ChatCompletionRequest:

@@ -38,7 +38,9 @@ class Prefilled:
     tier: str | None
     restore_s: float
     compile_s: float
-    prefill_s: float
+    prefill_s: float  # all of the above: lookup, compile (a miss), restore and the forward pass
+    forward_s: float = 0.0  # the model's own forward over the uncached tokens
+    queued_s: float = 0.0  # from submit until the engine took the job
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class Job:
     tool_names: tuple[str, ...] = ()
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = 0.0  # perf_counter at submit
 
 
 class QueueFull(Exception):
@@ -114,6 +117,7 @@ class Engine:
         self.store.close()  # finish pending disk writes, so a restart finds them
 
     def submit(self, job: Job) -> None:
+        job.submitted = time.perf_counter()
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -173,10 +177,11 @@ class Engine:
 
     def _prefill(self, job: Job) -> tuple[torch.Tensor, Any, Prefilled]:
         started = time.perf_counter()
+        queued_s = started - job.submitted if job.submitted else 0.0
         if not job.use_cache:
-            return self._plain_prefill(job, "bypass", started)
+            return self._plain_prefill(job, "bypass", started, queued_s)
         if job.prefix_len < self.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
-            return self._plain_prefill(job, "skip", started)
+            return self._plain_prefill(job, "skip", started, queued_s)
         key = self.key_for(job.prompt_ids[: job.prefix_len], job.salt)
         found = self.store.lookup(key)
         compile_s, result, tier = 0.0, "hit", None
@@ -190,20 +195,25 @@ class Engine:
         try:
             restore_started = time.perf_counter()
             cache = self.restore(entry, room_tokens=job.params.max_tokens + 1)
-            restore_s = time.perf_counter() - restore_started
+            forward_started = time.perf_counter()
+            restore_s = forward_started - restore_started
             logits = self._forward(job.prompt_ids[job.prefix_len :], cache)
+            forward_s = time.perf_counter() - forward_started
         finally:
             self.store.unlock(entry)
         cached = job.prefix_len if result == "hit" else 0  # a miss computed its prefix just now
         prefilled = Prefilled(len(job.prompt_ids), cached, result, tier,  # type: ignore[arg-type]
-                              restore_s, compile_s, time.perf_counter() - started)
+                              restore_s, compile_s, time.perf_counter() - started, forward_s, queued_s)
         return logits, cache, prefilled
 
-    def _plain_prefill(self, job: Job, result: CacheResult, started: float) -> tuple[torch.Tensor, Any, Prefilled]:
+    def _plain_prefill(self, job: Job, result: CacheResult, started: float,
+                       queued_s: float) -> tuple[torch.Tensor, Any, Prefilled]:
         cache = self.new_cache(room_tokens=job.params.max_tokens + 1)
+        forward_started = time.perf_counter()
         logits = self._forward(job.prompt_ids, cache)
+        done = time.perf_counter()
         return logits, cache, Prefilled(len(job.prompt_ids), 0, result, None, 0.0, 0.0,
-                                        time.perf_counter() - started)
+                                        done - started, done - forward_started, queued_s)
 
     def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
         """Compute the prefix KV once and store it (callable from the worker thread only)."""

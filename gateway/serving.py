@@ -36,8 +36,21 @@ class Prepared:
     single_call: bool
     use_cache: bool
     group_id: str
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # request arrival: TTFT counts from here
+    prepare_s: float = 0.0  # render + tokenize
+    prefilled: Prefilled | None = None  # set when the engine reports the prefill
     request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
+
+    def response_headers(self) -> dict[str, str]:
+        """`X-Toolkv-Cache` (hit/miss/bypass/skip) and a W3C `Server-Timing` of where the time went
+        before the first token, in ms: the engine's model forward is `prefill`; the rest is ours."""
+        pre = self.prefilled
+        if pre is None:
+            return {}
+        parts = [("prepare", self.prepare_s), ("queue", pre.queued_s), ("compile", pre.compile_s),
+                 ("restore", pre.restore_s), ("prefill", pre.forward_s)]
+        timing = ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in parts)
+        return {"X-Toolkv-Cache": pre.result, "Server-Timing": timing}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +86,10 @@ class ChatService:
 
     # ---- preparing -------------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "") -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "",
+                received: float | None = None) -> Prepared:
+        """The engine job for `req`; `received` is when the request arrived (perf_counter)."""
+        received = time.perf_counter() if received is None else received
         messages = [m.to_chat() for m in req.messages]
         tools = [t.to_spec() for t in req.tools or ()]
         check_unique_names(tools)
@@ -94,7 +110,8 @@ class ChatService:
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
                         forced_opening=forced.opening, single_call=single_call,
-                        use_cache=use_cache, group_id=rendered.group.group_id)
+                        use_cache=use_cache, group_id=rendered.group.group_id, started=received,
+                        prepare_s=time.perf_counter() - received)
 
     def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
         try:
@@ -151,6 +168,8 @@ class ChatService:
         try:
             while True:
                 event = await inbox.get()
+                if isinstance(event, Prefilled):
+                    prepared.prefilled = event
                 yield event
                 if isinstance(event, (Finished, Failed)):
                     return

@@ -84,6 +84,29 @@ def test_bypass_header_computes_everything_and_matches(client, merchant_tools):
     assert plain.choices[0].message.content == cached.choices[0].message.content
 
 
+def server_timing(header: str) -> dict[str, float]:
+    parts = (p.strip().split(";dur=") for p in header.split(","))
+    return {name: float(ms) for name, ms in parts}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cache_result_and_server_timing_headers(client, merchant_tools, stream):
+    """What a hit spent where: no compile, a restore, and the model's own prefill of the suffix."""
+    args = dict(model="tiny-llama", tools=merchant_tools[10 + stream : 16], tool_choice="none", temperature=0,
+                max_tokens=3, stream=stream)
+    seen = []
+    for question, headers in (("Stock?", {}), ("Returns?", {}), ("Margins?", {"X-Toolkv-Cache": "bypass"})):
+        raw = client.chat.completions.with_raw_response.create(messages=ask(question), extra_headers=headers, **args)
+        seen.append((raw.headers["x-toolkv-cache"], server_timing(raw.headers["server-timing"])))
+        if stream:
+            assert [c for c in raw.parse()][-1].choices[0].finish_reason == "length"
+    (miss, t_miss), (hit, t_hit), (bypass, t_bypass) = seen
+    assert (miss, hit, bypass) == ("miss", "hit", "bypass")
+    assert set(t_hit) == {"prepare", "queue", "compile", "restore", "prefill"}
+    assert t_miss["compile"] > 0 and t_hit["compile"] == 0 and t_hit["restore"] > 0
+    assert all(t["prefill"] > 0 and t["prepare"] > 0 for t in (t_miss, t_hit, t_bypass))
+
+
 def test_message_forms_are_accepted(client):
     messages = [
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
