@@ -4,6 +4,10 @@ TTFT is the time to the first chunk carrying content or a tool call, not to the 
 (servers send the role chunk early or late as they like). A request is a hit when the server
 reports `cached_tokens > 0`; when it reports no `cached_tokens` at all, the class the scenario
 expected is used and the sample says so.
+
+A server that says where its time went (toolkv's W3C `Server-Timing` header) lets each hit be
+split exactly: `prefill` is the model's own forward over the suffix, measured inside the server
+for this very request, and everything else between sending and the first token is overhead.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Sample:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    server_timing_ms: dict[str, float] | None = None  # from a Server-Timing header, if any
     tags: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -60,10 +65,23 @@ class Sample:
         span = self.total_s - self.ttft_s
         return (self.completion_tokens - 1) / span if span > 0 else None
 
+    @property
+    def model_prefill_ms(self) -> float | None:
+        """The server's own forward time for this request (Server-Timing `prefill`)."""
+        return (self.server_timing_ms or {}).get("prefill")
+
+    @property
+    def overhead_ms(self) -> float | None:
+        """TTFT minus the server's model forward for the same request: all that is not the model."""
+        if self.ttft_s is None or self.model_prefill_ms is None:
+            return None
+        return self.ttft_s * 1000 - self.model_prefill_ms
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         by = "header" if self.bypass else ("cached_tokens" if self.cached_tokens is not None else "expected")
-        out.update(cache=self.cache, decode_tokens_per_s=self.decode_tokens_per_s, classified_by=by)
+        out.update(cache=self.cache, decode_tokens_per_s=self.decode_tokens_per_s, classified_by=by,
+                   overhead_ms=None if self.overhead_ms is None else round(self.overhead_ms, 2))
         return out
 
 
@@ -106,6 +124,7 @@ class BenchClient:
                                          headers=headers) as resp:
                 if resp.status_code != 200:
                     _raise_for_body(resp.status_code, (await resp.aread()).decode(errors="replace"))
+                sample.server_timing_ms = parse_server_timing(resp.headers.get("server-timing"))
                 await self._read_stream(resp, sample, started)
         except httpx.HTTPError as exc:
             sample.error = f"{type(exc).__name__}: {exc}"
@@ -146,6 +165,21 @@ def _raise_for_body(status: int, text: str) -> None:
     if code == "context_length_exceeded" or (status == 400 and "context" in (message or text).lower()):
         raise ContextTooLong(message or text)
     raise _ServerError(f"HTTP {status}: {(message or text)[:300]}")
+
+
+def parse_server_timing(header: str | None) -> dict[str, float] | None:
+    """`name;dur=1.5, other;desc="x";dur=2` -> {name: 1.5, other: 2.0}; None without durations."""
+    out: dict[str, float] = {}
+    for metric in (header or "").split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    out[name] = float(value.strip('"'))
+                except ValueError:
+                    pass
+    return out or None
 
 
 def _has_token(chunk: dict[str, Any]) -> bool:

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -65,10 +66,19 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def block(samples: list[Sample], floors: dict[int, FloorResult]) -> dict[str, Any]:
-    """Stats, speedups, floor and overhead for a set of samples of one group shape."""
+    """Stats, speedups, floor and overhead for a set of samples of one group shape. The floor is
+    the model's own suffix prefill as the server timed it for each hit (else the in-process probe's)."""
     stats = class_stats(samples)
     miss, hit, bypass = (stats[c]["ttft_ms"]["p50"] for c in CLASSES)
     out: dict[str, Any] = {"classes": stats, "speedup": _ratio(miss, hit), "speedup_vs_bypass": _ratio(bypass, hit)}
+    timed = [s for s in samples if s.cache == "hit" and s.overhead_ms is not None]
+    if timed:  # the server split each hit's time: overhead paired per request
+        overheads = [s.overhead_ms for s in timed if s.overhead_ms is not None]
+        out["floor_ms_p50"] = _round(percentile([s.model_prefill_ms or 0.0 for s in timed], 50), 1)
+        out["hit_overhead_ms"] = _round(percentile(overheads, 50), 1)
+        out["hit_overhead_ms_p95"] = _round(percentile(overheads, 95), 1)
+        out["overhead_from"] = "server-timing"
+        return out
     aligned = [s.ttft_s for s in samples if s.cache == "hit" and s.tool_offset == 0 and s.ttft_s is not None]
     sizes = {s.num_tools for s in samples}
     floor = floors.get(sizes.pop()) if len(sizes) == 1 else None  # a floor is per group size
@@ -77,6 +87,7 @@ def block(samples: list[Sample], floors: dict[int, FloorResult]) -> dict[str, An
         hit_p50 = _ms(percentile(aligned, 50))
         out["floor_ms_p50"] = _round(floor_p50, 1)
         out["hit_overhead_ms"] = _round(hit_p50 - floor_p50, 1) if hit_p50 is not None and floor_p50 else None
+        out["overhead_from"] = "probe"
     return out
 
 
@@ -108,12 +119,13 @@ def floor_dict(floor: FloorResult) -> dict[str, Any]:
 
 def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The issue's targets, checked where the run measured them (None: not measured). The overhead
-    is the paired one (HTTP hit and floor taken back to back) when the floor has it."""
+    is paired per request when the server reports its own timing; else the probe's pairing (HTTP
+    hit and in-process floor taken back to back), when the floor has it."""
     single, inter, restart = (scenarios.get(n, {}) for n in ("single", "interleaved", "restart"))
     speedup, overhead = single.get("speedup"), single.get("hit_overhead_ms")
     sizes = {str(s["num_tools"]) for s in single.get("samples", [])}
     paired = (floors or {}).get(sizes.pop(), {}) if len(sizes) == 1 else {}
-    if paired.get("paired_overhead_ms", {}).get("p50") is not None:
+    if single.get("overhead_from") != "server-timing" and paired.get("paired_overhead_ms", {}).get("p50") is not None:
         overhead = paired["paired_overhead_ms"]["p50"]
     restart_speedup = restart.get("restart_speedup") if restart.get("first_after_restart") == "hit" else None
     return {
@@ -134,10 +146,11 @@ def build_report(meta: dict[str, Any], results: list[ScenarioResult], floors: di
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"toolkv bench: {report.get('model')} at {report.get('base_url')}",
-                  caption="TTFT in ms, p50 (p95); n = misses/hits/bypasses; overhead = hit p50 - floor p50")
+    table = Table(title=f"toolkv bench: {report.get('model')} at {report.get('base_url')}", box=box.SIMPLE,
+                  caption="p50 TTFT in ms (p95 in the JSON); n = misses/hits/bypasses; floor = the model's own "
+                          "suffix prefill on a hit; overhead = hit TTFT - floor, per request")
     for column in ("scenario", "tools", "n", "miss", "hit", "bypass", "speedup", "floor", "overhead"):
-        table.add_column(column, justify="left" if column == "scenario" else "right")
+        table.add_column(column, justify="left" if column == "scenario" else "right", no_wrap=True)
     for name, scenario in report["scenarios"].items():
         if scenario.get("skipped"):
             table.add_row(name, "", "skipped", *[""] * 6)
@@ -159,12 +172,12 @@ def _cells(data: dict[str, Any]) -> list[str]:
 
     def spread(c: str) -> str:
         t = cls[c]["ttft_ms"]
-        return "-" if t["p50"] is None else f"{t['p50']:.0f} ({t['p95']:.0f})"
+        return "-" if t["p50"] is None else f"{t['p50']:.0f}"
 
     counts = "/".join(str(cls[c]["n"]) for c in CLASSES)
     speedup = "-" if data.get("speedup") is None else f"{data['speedup']:.1f}x"
     floor = "-" if data.get("floor_ms_p50") is None else f"{data['floor_ms_p50']:.0f}"
-    over = "-" if data.get("hit_overhead_ms") is None else f"{data['hit_overhead_ms']:+.0f}"
+    over = "-" if data.get("hit_overhead_ms") is None else f"{data['hit_overhead_ms']:+.1f}"
     return [counts, spread("miss"), spread("hit"), spread("bypass"), speedup, floor, over]
 
 
@@ -188,8 +201,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
     if report["floor"]["skipped"]:
         lines.append(f"floor: skipped ({report['floor']['skipped']})")
     for tools, f in report["floor"]["by_tools"].items():
-        lines.append(f"floor, {tools} tools ({f['prefix_tokens']} + {f['suffix_tokens']} tokens): "
-                     f"restore + suffix prefill {f['floor_ms']['p50']} ms (restore {f['restore_ms']['p50']}); "
+        lines.append(f"cross-check, the floor in the bench's own process, {tools} tools ({f['prefix_tokens']} + "
+                     f"{f['suffix_tokens']} tokens): restore + suffix prefill {f['floor_ms']['p50']} ms (restore {f['restore_ms']['p50']}); "
                      f"engine hit prefill {f['engine_hit_prefill_ms']['p50']}; prepare {f['prepare_ms']['p50']}; "
                      f"paired HTTP hit TTFT {f['paired_http_hit_ttft_ms']['p50']} -> overhead "
                      f"{f['paired_overhead_ms']['p50']} ms (p50)")

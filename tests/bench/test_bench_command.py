@@ -98,9 +98,13 @@ def test_floor_and_hit_overhead_are_measured(report):
     assert floor["n"] == 3 and floor["paired_http_hit_ttft_ms"]["p50"] > 0  # every paired request was a hit
     assert floor["paired_overhead_ms"]["p50"] is not None
     single = data["scenarios"]["single"]
-    assert single["floor_ms_p50"] == floor["floor_ms"]["p50"]
-    assert single["hit_overhead_ms"] == pytest.approx(
-        single["classes"]["hit"]["ttft_ms"]["p50"] - floor["floor_ms"]["p50"], abs=0.2)
+    assert single["overhead_from"] == "server-timing"  # toolkv says where each request's time went
+    hits = [s for s in single["samples"] if s["cache"] == "hit"]
+    assert all(s["server_timing_ms"]["prefill"] > 0 for s in hits)
+    for s in hits:
+        assert s["overhead_ms"] == pytest.approx(s["ttft_s"] * 1000 - s["server_timing_ms"]["prefill"], abs=0.01)
+        assert 0 < s["overhead_ms"] < s["ttft_s"] * 1000
+    assert single["hit_overhead_ms"] is not None and single["floor_ms_p50"] > 0
 
 
 def test_concurrent_clients_all_get_answers(report):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.client import Sample
+from gateway.bench.client import Sample, parse_server_timing
 from gateway.bench.floor import FloorResult
 from gateway.bench.report import block, percentile, targets
 
@@ -40,6 +40,27 @@ def test_speedup_floor_and_overhead():
     assert out["floor_ms_p50"] == 420.0
     assert out["hit_overhead_ms"] == pytest.approx(450.0 - 420.0)
     assert out["classes"]["hit"]["decode_tokens_per_s_p50"] == pytest.approx(7 / 0.7)
+
+
+def test_server_timing_pairs_each_hit_with_its_own_model_prefill():
+    hits = [sample(0.410, 2990), sample(0.530, 2990), sample(0.445, 2990)]
+    for s, prefill_ms in zip(hits, (400.0, 510.0, 430.0), strict=True):
+        s.server_timing_ms = {"prepare": 1.2, "queue": 0.1, "restore": 1.0, "prefill": prefill_ms}
+    out = block([sample(8.0, 0), *hits], {})
+    assert [s.overhead_ms for s in hits] == pytest.approx([10.0, 20.0, 15.0])
+    assert out["overhead_from"] == "server-timing"
+    assert out["floor_ms_p50"] == 430.0
+    assert out["hit_overhead_ms"] == pytest.approx(15.0) and out["hit_overhead_ms_p95"] == pytest.approx(19.5)
+    single = {"speedup": 17.0, **out, "samples": [s.to_dict() for s in hits]}
+    paired_probe = {"20": {"paired_overhead_ms": {"p50": 80.0}}}  # ignored: the per-request pairing wins
+    assert targets({"single": single}, paired_probe)["hit_overhead_under_20ms"] is True
+
+
+def test_server_timing_header_parsing():
+    assert parse_server_timing('prepare;dur=1.25, queue;desc="q";dur=0.1,prefill;dur=400') == {
+        "prepare": 1.25, "queue": 0.1, "prefill": 400.0}
+    assert parse_server_timing("cache;desc=hit") is None and parse_server_timing(None) is None
+    assert parse_server_timing("a;dur=x, b;dur=2") == {"b": 2.0}
 
 
 def test_targets_are_unknown_when_not_measured():
