@@ -28,6 +28,7 @@ from gateway.sampling import Sampler, SamplingParams, TextStream
 log = logging.getLogger(__name__)
 
 CacheResult = Literal["hit", "miss", "bypass", "skip"]
+FIRST_TOKEN_HANDOFF_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class Prefilled:
     prefill_s: float  # all of the above: lookup, compile (a miss), restore and the forward pass
     forward_s: float = 0.0  # the model's own forward over the uncached tokens
     queued_s: float = 0.0  # from submit until the engine took the job
+    lookup_s: float = 0.0  # key hash + cache lookup
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,10 @@ class Job:
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # perf_counter at submit
+    # Set by a streaming consumer once the first token is on the wire; the engine waits for it
+    # (at most FIRST_TOKEN_HANDOFF_S) before the next forward, so the event loop has the CPU and
+    # the GIL while it sends the first token. None: nobody waits on the first token.
+    first_token_sent: threading.Event | None = None
 
 
 class QueueFull(Exception):
@@ -184,6 +190,7 @@ class Engine:
             return self._plain_prefill(job, "skip", started, queued_s)
         key = self.key_for(job.prompt_ids[: job.prefix_len], job.salt)
         found = self.store.lookup(key)
+        lookup_s = time.perf_counter() - started
         compile_s, result, tier = 0.0, "hit", None
         if found is None:
             entry = self.compile_prefix(key, job.group_id, job.tool_names)
@@ -203,7 +210,7 @@ class Engine:
             self.store.unlock(entry)
         cached = job.prefix_len if result == "hit" else 0  # a miss computed its prefix just now
         prefilled = Prefilled(len(job.prompt_ids), cached, result, tier,  # type: ignore[arg-type]
-                              restore_s, compile_s, time.perf_counter() - started, forward_s, queued_s)
+                              restore_s, compile_s, time.perf_counter() - started, forward_s, queued_s, lookup_s)
         return logits, cache, prefilled
 
     def _plain_prefill(self, job: Job, result: CacheResult, started: float,
@@ -273,6 +280,8 @@ class Engine:
             delta = stream.push(token)
             if delta:
                 job.emit(TextDelta(delta))
+                if job.first_token_sent is not None and not job.first_token_sent.is_set():
+                    job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
             if stream.stopped:
                 job.emit(Finished("stop", count, tuple(stream.token_ids)))
                 return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -47,8 +48,8 @@ class Prepared:
         pre = self.prefilled
         if pre is None:
             return {}
-        parts = [("prepare", self.prepare_s), ("queue", pre.queued_s), ("compile", pre.compile_s),
-                 ("restore", pre.restore_s), ("prefill", pre.forward_s)]
+        parts = [("prepare", self.prepare_s), ("queue", pre.queued_s), ("lookup", pre.lookup_s),
+                 ("compile", pre.compile_s), ("restore", pre.restore_s), ("prefill", pre.forward_s)]
         timing = ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in parts)
         return {"X-Toolkv-Cache": pre.result, "Server-Timing": timing}
 
@@ -212,6 +213,7 @@ class ChatService:
         streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
+        handoff = prepared.job.first_token_sent = threading.Event()
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
         yield protocol.chunk_dict(cid, created, model, {"role": "assistant", "content": ""})
@@ -226,6 +228,7 @@ class ChatService:
                 pieces = streamer.feed(event.text) if streamer else [ContentDelta(event.text)]
                 for delta in calls.deltas(pieces):
                     yield protocol.chunk_dict(cid, created, model, delta)
+                handoff.set()  # the consumer asked for more: the chunks above were sent
         if streamer is not None:
             for delta in calls.deltas(streamer.finish()):
                 yield protocol.chunk_dict(cid, created, model, delta)

@@ -102,7 +102,7 @@ def test_cache_result_and_server_timing_headers(client, merchant_tools, stream):
             assert [c for c in raw.parse()][-1].choices[0].finish_reason == "length"
     (miss, t_miss), (hit, t_hit), (bypass, t_bypass) = seen
     assert (miss, hit, bypass) == ("miss", "hit", "bypass")
-    assert set(t_hit) == {"prepare", "queue", "compile", "restore", "prefill"}
+    assert set(t_hit) == {"prepare", "queue", "lookup", "compile", "restore", "prefill"}
     assert t_miss["compile"] > 0 and t_hit["compile"] == 0 and t_hit["restore"] > 0
     assert all(t["prefill"] > 0 and t["prepare"] > 0 for t in (t_miss, t_hit, t_bypass))
 
