@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.entry import CacheEntry, LayerKV, spare_room
 from gateway.kvcache.growing import GrowingLayer
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
@@ -226,10 +226,11 @@ class Engine:
         """Compute the prefix KV once and store it (callable from the worker thread only)."""
         started = time.perf_counter()
         log.info("compiling tool group %s: %d prefix tokens", group_id or "-", len(key.token_ids))
-        cache = self.new_cache()
+        cache = self.new_cache(room_tokens=spare_room(len(key.token_ids)))
         self._forward(list(key.token_ids), cache)
         layers = tuple(
-            LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None))
+            LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None),
+                    getattr(layer, "_key_buf", None), getattr(layer, "_value_buf", None))
             for layer in cache.layers
         )
         entry = CacheEntry(key=key, layers=layers, group_id=group_id, tool_names=tool_names,
@@ -251,10 +252,15 @@ class Engine:
         return cache
 
     def restore(self, entry: CacheEntry, room_tokens: int | None = None) -> Any:
-        """A cache holding the entry's tensors by reference: no copy. The first update writes into
-        new tensors, so the stored ones are never written."""
+        """A cache holding the entry's tensors by reference: no copy. With `room_tokens`, a request
+        appends into the entry's spare room (one request at a time: this thread is the only one);
+        otherwise the first update writes into new tensors. The prefix's own positions are never
+        written either way."""
         cache = self.new_cache(room_tokens)
         for layer, stored in zip(cache.layers, entry.layers, strict=True):
+            if isinstance(layer, GrowingLayer) and stored.key_room is not None and stored.value_room is not None:
+                layer.adopt(stored.keys, stored.values, stored.key_room, stored.value_room)
+                continue
             layer.lazy_initialization(stored.keys, stored.values)
             layer.keys, layer.values = stored.keys, stored.values
             if stored.cumulative_length is not None:

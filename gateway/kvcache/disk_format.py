@@ -125,11 +125,18 @@ def decode(header: Header, tensors: dict[str, torch.Tensor], key: PrefixKey,
                 raise CacheFault("corrupt", f"tensor {name} does not match its header")
     if header.checksum(tensors[name] for name in header.tensor_names) != header.sha256:
         raise CacheFault("checksum", "the header or tensor bytes do not match the header's sha256")
-    layers = tuple(LayerKV(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device),
-                           _optional_int(layer["cumulative_length"]))
+    layers = tuple(_layer(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device),
+                          _optional_int(layer["cumulative_length"]))
                    for i, layer in enumerate(header.layers))
     return CacheEntry(key=key, layers=layers, group_id=header.group_id, tool_names=header.tool_names,
                       compile_s=header.compile_s, created_at=header.created_at)
+
+
+def _layer(keys: torch.Tensor, values: torch.Tensor, cumulative_length: int | None) -> LayerKV:
+    """Full-attention layers get spare room for their hits (sliding-window ones keep their size)."""
+    if cumulative_length is None:
+        return LayerKV.with_room(keys, values)
+    return LayerKV(keys, values, cumulative_length)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

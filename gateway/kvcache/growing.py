@@ -3,7 +3,9 @@
 `DynamicLayer.update` copies the whole KV (`torch.cat`) at every decode step; with a 3,000-token
 tool prefix that is ~140 MB of copying per generated token. This layer copies once into a buffer
 sized for the whole generation and then writes each new token in place. The first update always
-allocates a fresh buffer, so tensors restored from the prefix store are never written.
+allocates a fresh buffer, so tensors restored from the prefix store are never written; unless
+the stored prefix brings its own spare room (`adopt`), which the request then writes after the
+prefix's last position.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._key_buf[:, :, :needed]
         self.values = self._value_buf[:, :, :needed]
         return self.keys, self.values
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, key_room: torch.Tensor,
+              value_room: torch.Tensor) -> None:
+        """Start from a stored prefix whose buffers have room after it: new tokens are written
+        into that room (never into the prefix's own positions), so nothing is copied."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self._key_buf, self._value_buf = key_room, value_room
 
     def _grow(self, capacity: int, used: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._key_buf = _buffer_like(key_states, capacity, self.keys if used else None)
