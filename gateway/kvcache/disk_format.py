@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from gateway.kvcache.keys import CacheIdentity, PrefixKey
 
 FORMAT_VERSION = 2
 _META = "toolkv."  # prefix of every header key this format writes
+_CHECKERS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
 
 
 class CacheFault(Exception):
@@ -65,8 +68,10 @@ class Header:
 
     def checksum(self, tensors: Iterable[torch.Tensor]) -> str:
         hasher = hashlib.sha256(json.dumps(self._signed_fields(), sort_keys=True).encode())
-        for tensor in tensors:  # raw bytes, so any dtype (bfloat16 too) checks the same way
-            crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        # Raw bytes, so any dtype (bfloat16 too) checks the same way. zlib releases the GIL on
+        # large buffers, so the tensors are checked on all cores.
+        raw = [t.contiguous().reshape(-1).view(torch.uint8).numpy().data for t in tensors]
+        for crc in _CHECKERS.map(zlib.crc32, raw):
             hasher.update(crc.to_bytes(4, "little"))
         return hasher.hexdigest()
 
