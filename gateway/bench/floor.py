@@ -11,6 +11,7 @@ through a queued job (adds key hash and lookup).
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -43,10 +44,21 @@ class FloorProbe:
     """The model in this process (no disk tier), driven on its own engine thread."""
 
     def __init__(self, settings: Settings) -> None:
+        from transformers.utils import logging as hf_logging
+
         from gateway.metrics import Metrics
         from gateway.runtime import build_runtime
 
-        self.runtime = build_runtime(settings.model_copy(update={"disk_budget_bytes": 0}), Metrics())
+        hf_logging.disable_progress_bar()  # the bench's own progress display owns the terminal
+        previous = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF conversion uses tqdm directly
+        try:
+            self.runtime = build_runtime(settings.model_copy(update={"disk_budget_bytes": 0}), Metrics())
+        finally:
+            if previous is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = previous
         self.engine = self.runtime.engine
 
     def close(self) -> None:

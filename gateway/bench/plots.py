@@ -26,13 +26,19 @@ def _figure(width: float, height: float) -> Any:
 
 
 def _ttft_by_size(report: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
-    series: dict[str, dict[int, list[float]]] = {"miss": {}, "hit": {}, "bypass": {}}
+    """TTFT samples per class and tool count; the floor is the model's own suffix prefill that the
+    server reported for each hit (Server-Timing), else the in-process probe's."""
+    series: dict[str, dict[int, list[float]]] = {"miss": {}, "hit": {}, "bypass": {}, "floor": {}}
     for name in SIZE_SCENARIOS:
         for s in report["scenarios"].get(name, {}).get("samples", []):
             if s["cache"] in series and s["ttft_s"] is not None:
                 series[s["cache"]].setdefault(s["num_tools"], []).append(s["ttft_s"] * 1000)
-    floors = report["floor"]["by_tools"]
-    series["floor"] = {int(n): [f["floor_ms"]["p50"]] for n, f in floors.items() if f["floor_ms"]["p50"]}
+            prefill = (s.get("server_timing_ms") or {}).get("prefill")
+            if s["cache"] == "hit" and prefill is not None:
+                series["floor"].setdefault(s["num_tools"], []).append(prefill)
+    if not series["floor"]:
+        floors = report["floor"]["by_tools"]
+        series["floor"] = {int(n): [f["floor_ms"]["p50"]] for n, f in floors.items() if f["floor_ms"]["p50"]}
     return series
 
 
