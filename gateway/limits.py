@@ -3,6 +3,7 @@ parsed), and the size of what a request asks the model to read (tools, schemas, 
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -74,19 +75,23 @@ def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None
         if size > settings.max_tool_schema_bytes:
             raise BadRequest(f"tool '{tool.function.name}' is {size} bytes of JSON; the limit is "
                              f"{settings.max_tool_schema_bytes}", param=f"tools[{index}]")
-        if _depth(params) > settings.max_schema_depth:
+        if _depth(params, settings.max_schema_depth) > settings.max_schema_depth:
             raise BadRequest(f"the parameters schema of tool '{tool.function.name}' nests deeper than "
                              f"{settings.max_schema_depth} levels", param=f"tools[{index}].function.parameters")
 
 
-def _depth(value: Any, level: int = 0) -> int:
-    """Nesting depth, iteratively bounded so a hostile schema cannot exhaust the stack."""
-    deepest, stack = level, [(value, level)]
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth, walked without recursion (a hostile schema cannot exhaust the stack) and
+    given up as soon as it passes `limit`."""
+    deepest, stack = 0, [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth > 10_000:
-            break
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children)
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                break
+        if isinstance(item, dict):
+            stack.extend(zip(item.values(), repeat(depth + 1)))
+        elif isinstance(item, list):
+            stack.extend(zip(item, repeat(depth + 1)))
     return deepest

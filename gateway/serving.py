@@ -103,15 +103,16 @@ class ChatService:
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
+        group_id = rendered.group.group_id  # a hash of the whole group: computed once
         tools_active = bool(tools) and req.tool_choice != "none"
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
-                  use_cache=use_cache, salt=salt, group_id=rendered.group.group_id,
+                  use_cache=use_cache, salt=salt, group_id=group_id,
                   tool_names=rendered.group.tool_names,
                   keep_token_ids=self.marker_ids if tools_active else frozenset())
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
                         forced_opening=forced.opening, single_call=single_call,
-                        use_cache=use_cache, group_id=rendered.group.group_id, started=received,
+                        use_cache=use_cache, group_id=group_id, started=received,
                         prepare_s=time.perf_counter() - received)
 
     def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
