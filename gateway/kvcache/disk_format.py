@@ -17,10 +17,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import zlib
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +29,7 @@ from gateway.kvcache.keys import CacheIdentity, PrefixKey
 
 FORMAT_VERSION = 2
 _META = "toolkv."  # prefix of every header key this format writes
-_CHECKERS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
+MapFn = Callable[[Callable[[Any], int], Iterable[Any]], Iterable[int]]
 
 
 class CacheFault(Exception):
@@ -66,12 +64,12 @@ class Header:
         """This header with its sha256 set over its other fields and `tensors`, in order."""
         return dataclasses.replace(self, sha256=self.checksum(tensors))
 
-    def checksum(self, tensors: Iterable[torch.Tensor]) -> str:
+    def checksum(self, tensors: Iterable[torch.Tensor], map_fn: MapFn = map) -> str:
+        """`map_fn` runs the CRC-32s (a thread pool's `map` checks tensors on all cores)."""
         hasher = hashlib.sha256(json.dumps(self._signed_fields(), sort_keys=True).encode())
-        # Raw bytes, so any dtype (bfloat16 too) checks the same way. zlib releases the GIL on
-        # large buffers, so the tensors are checked on all cores.
+        # Raw bytes, so any dtype (bfloat16 too) checks the same way; zlib releases the GIL.
         raw = [t.contiguous().reshape(-1).view(torch.uint8).numpy().data for t in tensors]
-        for crc in _CHECKERS.map(zlib.crc32, raw):
+        for crc in map_fn(zlib.crc32, raw):
             hasher.update(crc.to_bytes(4, "little"))
         return hasher.hexdigest()
 
@@ -130,13 +128,13 @@ def check_key(header: Header, key: PrefixKey, identity: CacheIdentity) -> None:
 
 
 def decode(header: Header, tensors: dict[str, torch.Tensor], key: PrefixKey,
-           device: torch.device) -> CacheEntry:
+           device: torch.device, map_fn: MapFn = map) -> CacheEntry:
     """The entry, after checking every tensor against the header and the checksum."""
     for i, layer in enumerate(header.layers):
         for name, shape in ((f"k.{i}", layer["keys_shape"]), (f"v.{i}", layer["values_shape"])):
             if list(tensors[name].shape) != shape or _dtype_name(tensors[name].dtype) != layer["dtype"]:
                 raise CacheFault("corrupt", f"tensor {name} does not match its header")
-    if header.checksum(tensors[name] for name in header.tensor_names) != header.sha256:
+    if header.checksum((tensors[name] for name in header.tensor_names), map_fn) != header.sha256:
         raise CacheFault("checksum", "the header or tensor bytes do not match the header's sha256")
     layers = tuple(_layer(tensors[f"k.{i}"].to(device), tensors[f"v.{i}"].to(device),
                           _optional_int(layer["cumulative_length"]))

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,11 @@ class DiskTier:
         self.identity = identity
         self.device = torch.device(device)
         self._clock = _Clock()
+        # Checks a loaded entry's tensors on all cores (a restart's first request waits for it).
+        self._checkers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
+
+    def close(self) -> None:
+        self._checkers.shutdown(wait=False)
 
     # ---- entries -----------------------------------------------------------------------------
 
@@ -210,7 +216,7 @@ class DiskTier:
                 header = Header.from_metadata(handle.metadata() or {})
                 check_key(header, key, identity)
                 tensors = {name: handle.get_tensor(name) for name in header.tensor_names}
-            return decode(header, tensors, key, self.device)
+            return decode(header, tensors, key, self.device, self._checkers.map)
         except FileNotFoundError:
             raise
         except OSError as exc:

@@ -134,6 +134,8 @@ class PrefixStore:
         """Finish pending disk writes (up to `timeout_s`) and stop the writer thread."""
         if self._writer is not None:
             self._writer.close(timeout_s)
+        if self.disk is not None:
+            self.disk.close()
 
     # ---- internals -----------------------------------------------------------------------------
 
