@@ -230,7 +230,7 @@ class Engine:
         self._forward(list(key.token_ids), cache)
         layers = tuple(
             LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None),
-                    getattr(layer, "_key_buf", None), getattr(layer, "_value_buf", None))
+                    *(layer.room() if isinstance(layer, GrowingLayer) else (None, None)))
             for layer in cache.layers
         )
         entry = CacheEntry(key=key, layers=layers, group_id=group_id, tool_names=tool_names,

@@ -38,7 +38,7 @@ class Prepared:
     use_cache: bool
     group_id: str
     started: float = field(default_factory=time.perf_counter)  # request arrival: TTFT counts from here
-    prepare_s: float = 0.0  # render + tokenize
+    prepare_s: float = 0.0  # arrival to job: parse, validate, render, tokenize
     prefilled: Prefilled | None = None  # set when the engine reports the prefill
     request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
 

@@ -1,9 +1,9 @@
 """One streamed chat request, timed from the client's side.
 
 TTFT is the time from sending the request to the first chunk carrying content or a tool call,
-not to the first SSE byte (servers send the role chunk early or late as they like). A request is a hit when the server
-reports `cached_tokens > 0`; when it reports no `cached_tokens` at all, the class the scenario
-expected is used and the sample says so.
+not to the first SSE byte (servers send the role chunk early or late as they like). A request is
+a hit when the server reports `cached_tokens > 0`; when it reports no `cached_tokens` at all, the
+class the scenario expected is used and the sample says so.
 
 A server that says where its time went (toolkv's W3C `Server-Timing` header) lets each hit be
 split exactly: `prefill` is the model's own forward over the suffix, measured inside the server

@@ -46,6 +46,10 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys, values
         self._key_buf, self._value_buf = key_room, value_room
 
+    def room(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The buffers `keys`/`values` are views of, with the room after them (None before use)."""
+        return self._key_buf, self._value_buf
+
     def _grow(self, capacity: int, used: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._key_buf = _buffer_like(key_states, capacity, self.keys if used else None)
         self._value_buf = _buffer_like(value_states, capacity, self.values if used else None)
