@@ -15,12 +15,15 @@ from gateway.engine import Engine
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import EntryInfo
+from gateway.nesting import TooDeep, check_nesting
 from gateway.protocol import ToolIn
 from gateway.serving import ChatService, check_unique_names
+from gateway.settings import Settings
 
 # Stands in for the conversation: the cut at the end of the tool group happens just as it does
 # for a real chat request (the text after the group starts with the same turn marker).
 _PLACEHOLDER_TURN = ChatMessage(role="user", content="warm")
+DEFAULT_MAX_SCHEMA_DEPTH: int = Settings.model_fields["max_schema_depth"].default
 
 
 class WarmRequest(BaseModel):
@@ -57,8 +60,11 @@ class Warmed:
                 "already_cached": self.already_cached}
 
 
-def plan_warm(service: ChatService, request: WarmRequest, max_tools: int) -> WarmPlan:
-    """Render and tokenize the group as the chat path does; reject what would never be cached."""
+def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
+              max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH) -> WarmPlan:
+    """Render and tokenize the group as the chat path does; reject what would never be cached.
+    Schemas are depth-checked first: rendering serializes them recursively."""
+    _check_depth(request.tools, max_schema_depth)
     tools = [t.to_spec() for t in request.tools]
     _check_tools(tools, request.system, max_tools)
     messages = ([ChatMessage(role="system", content=request.system)] if request.system is not None else [])
@@ -86,6 +92,14 @@ def entry_dict(info: EntryInfo) -> dict[str, Any]:
             "bytes": info.num_bytes, "tier": info.tiers[0], "tiers": list(info.tiers),
             "hits": info.hits, "created_at": round(info.created_at, 3),
             "last_used_at": round(info.last_used_at, 3)}
+
+
+def _check_depth(tools: list[ToolIn], limit: int) -> None:
+    for index, tool in enumerate(tools):
+        try:
+            check_nesting(tool.function.parameters, limit, f"the parameters schema of tool '{tool.function.name}'")
+        except TooDeep as exc:
+            raise BadRequest(str(exc), param=f"tools[{index}].function.parameters") from None
 
 
 def _check_tools(tools: list[ToolSpec], system: str | None, max_tools: int) -> None:

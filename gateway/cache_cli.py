@@ -12,14 +12,24 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import orjson
 from pydantic import ValidationError
 
+from adapters.render import RenderError
+from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.errors import APIError
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
+from gateway.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from gateway.cache_admin import Warmed, WarmRequest
+    from gateway.runtime import Runtime
 
 _ENTRY_ID = re.compile(r"[0-9a-f]{64}")
 
@@ -51,9 +61,8 @@ def register(sub: Any) -> None:
 
 def _ls(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    if settings is None:
-        return 2
-    records = _disk(settings).records()
+    with _cache_dir_errors(settings):
+        records = _disk(settings).records()
     if args.json:
         print(json.dumps([_record_dict(r) for r in records], indent=2))
         return 0
@@ -69,63 +78,51 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    if settings is None:
-        return 2
     if not _ENTRY_ID.fullmatch(args.id):
-        print(f"toolkv: '{args.id}' is not an entry id (64 lowercase hex characters, as `toolkv cache ls` "
-              "prints them)", file=sys.stderr)
-        return 2
-    if not _disk(settings).remove(args.id):
-        print(f"toolkv: no entry {args.id} in {settings.resolved_cache_dir}", file=sys.stderr)
-        return 1
+        raise CliError(f"'{args.id}' is not an entry id (64 lowercase hex characters, as `toolkv cache ls` "
+                       "prints them)")
+    with _cache_dir_errors(settings):
+        removed = _disk(settings).remove(args.id)
+    if not removed:
+        raise CliError(f"no entry {args.id} in {settings.resolved_cache_dir}", EXIT_FAILURE)
     print(f"removed {args.id}")
     return 0
 
 
 def _clear(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    if settings is None:
-        return 2
-    count = _disk(settings).clear()
+    with _cache_dir_errors(settings):
+        count = _disk(settings).clear()
     print(f"removed {count} entries from {settings.resolved_cache_dir}")
     return 0
 
 
 def _warm(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    if settings is None:
-        return 2
-    try:
-        request = _read_warm_file(Path(args.file))
-    except (OSError, ValueError) as exc:
-        print(f"toolkv: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 2
+    request = read_warm_file(Path(args.file), settings.max_schema_depth)
     from gateway.cli import configure_logging
 
     configure_logging(settings)
-    try:
-        warmed, on_disk = _warm_with_model(settings, request)
-    except APIError as exc:
-        print(f"toolkv: {exc.message}", file=sys.stderr)
-        return 1
+    warmed, on_disk = _warm_with_model(settings, request)
     print(json.dumps({**warmed, "on_disk": on_disk}, indent=2))
     if not on_disk:
         print("toolkv: the entry could not be written to disk (see the warning above)", file=sys.stderr)
-    return 0 if on_disk else 1
+    return 0 if on_disk else EXIT_FAILURE
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _warm_with_model(settings: Settings, request: Any) -> tuple[dict[str, Any], bool]:
-    from gateway.cache_admin import compile_plan, plan_warm
+def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str, Any], bool]:
     from gateway.metrics import Metrics
     from gateway.runtime import build_runtime
 
-    runtime = build_runtime(settings, Metrics())
     try:
-        plan = plan_warm(runtime.service, request, settings.max_tools)
-        warmed = runtime.engine.call(lambda: compile_plan(runtime.engine, plan)).result()
+        runtime = build_runtime(settings, Metrics())
+    except Exception as exc:  # whatever the loader raises (missing files, a bad config, ...)
+        raise CliError(f"cannot load the model '{settings.model}': {exc}", EXIT_FAILURE) from None
+    try:
+        warmed = _compile(runtime, request, settings)
     finally:
         runtime.engine.stop()  # also finishes the disk write
     disk = runtime.store.disk
@@ -133,28 +130,74 @@ def _warm_with_model(settings: Settings, request: Any) -> tuple[dict[str, Any], 
     return warmed.to_dict(), on_disk
 
 
-def _read_warm_file(path: Path) -> Any:
+def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warmed:
+    from gateway.cache_admin import compile_plan, plan_warm
+
+    try:
+        plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
+        warmed: Warmed = runtime.engine.call(lambda: compile_plan(runtime.engine, plan)).result()
+        return warmed
+    except APIError as exc:
+        raise CliError(exc.message, EXIT_FAILURE) from None
+    except RenderError as exc:
+        raise CliError(str(exc), EXIT_FAILURE) from None
+
+
+def read_warm_file(path: Path, max_schema_depth: int) -> WarmRequest:
+    """The file's tools and system prompt; a `CliError` naming the file and the problem for
+    anything else. Nesting is measured before pydantic (or anything recursive) sees the data."""
     from gateway.cache_admin import WarmRequest
 
-    data = json.loads(path.read_text())
+    try:
+        data = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except orjson.JSONDecodeError as exc:
+        if "recursion" in str(exc).lower() or "depth" in str(exc).lower():  # orjson stops at 1,024 levels
+            raise CliError(f"{path}: the file nests deeper than {MAX_DOCUMENT_DEPTH} levels") from None
+        raise CliError(f"{path} is not valid JSON: {exc}") from None
     if isinstance(data, list):
         data = {"tools": data}
+    if not isinstance(data, dict):
+        raise CliError(f'{path}: expected {{"tools": [...], "system": "..."}} or a list of tools')
+    _check_file_depth(path, data, max_schema_depth)
     try:
         return WarmRequest.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the file"
-        raise ValueError(f"{where}: {first['msg']}") from None
+        raise CliError(f"{path}: {where}: {first['msg']}") from None
 
 
-def _settings(args: argparse.Namespace) -> Settings | None:
+def _check_file_depth(path: Path, data: dict[str, Any], max_schema_depth: int) -> None:
+    try:
+        tools = data.get("tools")
+        for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            params = function.get("parameters") if isinstance(function, dict) else None
+            check_nesting(params, max_schema_depth, f"tools[{index}].function.parameters")
+        check_nesting(data, MAX_DOCUMENT_DEPTH, "the file")
+    except TooDeep as exc:
+        raise CliError(f"{path}: {exc}") from None
+
+
+def _settings(args: argparse.Namespace) -> Settings:
     from gateway.cli import settings_from_args
 
     try:
         return settings_from_args(args)
     except SettingsError as exc:
-        print(f"toolkv: {exc}", file=sys.stderr)
-        return None
+        raise CliError(str(exc)) from None
+
+
+@contextmanager
+def _cache_dir_errors(settings: Settings) -> Iterator[None]:
+    """An unreadable or unwritable cache dir is one line naming it, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise CliError(f"cannot use the cache dir {settings.resolved_cache_dir}: {reason}", EXIT_FAILURE) from None
 
 
 def _disk(settings: Settings) -> DiskTier:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway import bench, cache_cli, parity
+from gateway.cli_errors import run_reporting_errors
 from gateway.settings import Settings, SettingsError, load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    return run_reporting_errors(lambda: int(args.func(args)))
 
 
 def _parser() -> argparse.ArgumentParser:
