@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+# OpenAI's rule for function names (it answers 400 for anything else). Names are written into the
+# prompt as JSON strings: a name JSON escapes (`"`, `\`, control characters) would read differently
+# there than in the request, so the rule also keeps every name verbatim in the rendered tool group.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+_FUNCTION_NAME = re.compile(FUNCTION_NAME_PATTERN)
+
+
+def check_function_name(name: str) -> str:
+    """`name` when OpenAI would accept it as a function name; else a ValueError saying the rule
+    (for a pydantic `AfterValidator`, which reports it under the field's path)."""
+    if not _FUNCTION_NAME.fullmatch(name):
+        raise ValueError("a function name is 1-64 characters from a-z, A-Z, 0-9, '_' and '-'")
+    return name
 
 
 @dataclass(frozen=True, slots=True)

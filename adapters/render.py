@@ -14,6 +14,7 @@ cached.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Protocol
 
@@ -168,7 +169,16 @@ class PromptRenderer:
 
 
 def _holds_group(prefix: str, group: ToolGroup) -> bool:
-    return all(name in prefix for name in group.tool_names) and (group.system or "").strip() in prefix
+    """Every tool name and the system text appear in the cut, as written or as a template's
+    `tojson` writes them (escaped, with or without non-ASCII as \\u escapes)."""
+    return (all(_appears(name, prefix) for name in group.tool_names)
+            and _appears((group.system or "").strip(), prefix))
+
+
+def _appears(text: str, prefix: str) -> bool:
+    if text in prefix:
+        return True
+    return any(json.dumps(text, ensure_ascii=as_ascii)[1:-1] in prefix for as_ascii in (False, True))
 
 
 def _split_system(messages: list[ChatMessage]) -> tuple[str | None, list[ChatMessage]]:
