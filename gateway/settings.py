@@ -64,6 +64,9 @@ class Settings(BaseModel):
     api_keys: tuple[str, ...] = ()  # empty: the gateway is open
     admin_key: str | None = None  # for /v1/cache management; falls back to open only when no keys exist
     shared_groups: tuple[str, ...] = ()  # tool-group ids every tenant may share on purpose
+    # Host names (or name:port) the open gateway answers besides its bound address and loopback;
+    # "*" answers any Host (turns off the DNS-rebinding check). Not checked once API keys exist.
+    allowed_hosts: tuple[str, ...] = ()
 
     @property
     def cache_enabled(self) -> bool:
@@ -115,7 +118,7 @@ def _read_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
     return values
 
 
-_LIST_KEYS = {"api_keys", "shared_groups"}  # comma-separated in the environment
+_LIST_KEYS = {"api_keys", "shared_groups", "allowed_hosts"}  # comma-separated in the environment
 
 
 def _split(raw: str) -> tuple[str, ...]:
