@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 from gateway import bench, cache_cli, parity
-from gateway.cli_errors import run_reporting_errors
+from gateway.cli_errors import CliError, run_reporting_errors
 from gateway.settings import Settings, SettingsError, load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
@@ -52,8 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except SettingsError as exc:
-        print(f"toolkv: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
+    _check_model_source(settings)
     configure_logging(settings)
     import uvicorn
 
@@ -66,6 +65,17 @@ def _serve(args: argparse.Namespace) -> int:
                 log_level=settings.log_level, access_log=False,
                 timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     return 0
+
+
+def _check_model_source(settings: Settings) -> None:
+    """A model that cannot be found stops start-up with one line; without this the server starts,
+    its background load fails with a traceback in the log, and /health says `failed`."""
+    from gateway.model_loader import ModelLoadError, resolve_source
+
+    try:
+        resolve_source(settings)
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
 
 
 class _JsonFormatter(logging.Formatter):

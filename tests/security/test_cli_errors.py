@@ -17,11 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
-def toolkv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def toolkv(*args: str, cwd: Path, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKV_")}
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=TIMEOUT_S)
+                          capture_output=True, timeout=timeout_s)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *expected: str) -> str:
@@ -102,3 +102,8 @@ def test_serve_with_a_bad_setting_is_one_line_not_a_traceback(tmp_path: Path) ->
     config = tmp_path / "toolkv.toml"
     config.write_text('allowed_hosts = "not a list"\n')
     assert_one_line_error(toolkv("serve", "--config", str(config), cwd=tmp_path), "allowed_hosts")
+
+
+def test_serve_with_a_model_that_does_not_exist_stops_with_one_line(tmp_path: Path) -> None:
+    result = toolkv("serve", "--model", str(tmp_path / "no-such-model"), "--port", "1", cwd=tmp_path, timeout_s=60)
+    assert_one_line_error(result, "no-such-model")  # before: the server started and logged a traceback
