@@ -3,7 +3,9 @@ bounded queue, so the event loop never blocks on torch.
 
 Per job: look the prefix up (RAM, then compute); a miss computes the prefix KV once, stores it,
 and then runs exactly the hit path, so a hit and a miss produce bitwise-identical output. A
-bypass runs a plain full prefill.
+bypass runs a plain full prefill. A cached prefix whose logits come out NaN or infinite (a
+poisoned file passes its checksum when its writer had write access) is dropped and the request
+recomputed with a plain prefill; only a model that gives non-finite logits by itself fails.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from gateway.kvcache.entry import CacheEntry, LayerKV, spare_room
 from gateway.kvcache.growing import GrowingLayer
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
-from gateway.sampling import Sampler, SamplingParams, TextStream
+from gateway.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +165,8 @@ class Engine:
                     self._generate(job)
             except Exception as exc:  # one request fails, never the engine
                 log.exception("generation failed")
-                job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+                # The client sees no exception text: it may hold a path or other server detail.
+                job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
             finally:
                 self.busy = False
 
@@ -208,6 +211,9 @@ class Engine:
             forward_s = time.perf_counter() - forward_started
         finally:
             self.store.unlock(entry)
+        if not all_finite(logits):
+            self.store.quarantine(entry, "nonfinite", "its KV gave non-finite logits")
+            return self._plain_prefill(job, "miss", started, queued_s)
         cached = job.prefix_len if result == "hit" else 0  # a miss computed its prefix just now
         prefilled = Prefilled(len(job.prompt_ids), cached, result, tier,  # type: ignore[arg-type]
                               restore_s, compile_s, time.perf_counter() - started, forward_s, queued_s, lookup_s)
@@ -218,6 +224,8 @@ class Engine:
         cache = self.new_cache(room_tokens=job.params.max_tokens + 1)
         forward_started = time.perf_counter()
         logits = self._forward(job.prompt_ids, cache)
+        if not all_finite(logits):
+            raise NonFiniteLogits("the model gave non-finite logits on a plain prefill")
         done = time.perf_counter()
         return logits, cache, Prefilled(len(job.prompt_ids), 0, result, None, 0.0, 0.0,
                                         done - started, done - forward_started, queued_s)

@@ -20,6 +20,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
+class NonFiniteLogits(Exception):
+    """The model gave NaN or infinite logits: no token can be chosen from them."""
+
+
+def all_finite(logits: torch.Tensor) -> bool:
+    return bool(torch.isfinite(logits).all())
+
+
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -30,7 +38,10 @@ class Sampler:
             self.generator.seed()
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """`logits`: [vocab] for the last position."""
+        """`logits`: [vocab] for the last position. Non-finite logits raise NonFiniteLogits
+        (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
+        if not all_finite(logits):
+            raise NonFiniteLogits("the model produced non-finite logits")
         if self.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)

@@ -1,11 +1,14 @@
 """Disk tier: prefix entries as safetensors files under `<cache_dir>/kv/`, one per key digest
 (the format is in `disk_format`).
 
-Writes are atomic (unique temp file in the same dir, fsync, rename, fsync dir), so a crash never
-leaves a file that reads back as valid, and processes sharing the dir never see each other's
-half-written files. A file that fails any check on read is moved to `<cache_dir>/quarantine/`
-and raised as a `CacheFault`; the caller treats that as a miss. LRU under a byte budget uses file
-mtimes, which a hit refreshes, so every process using the dir shares one order.
+Writes are atomic (toolkv's own locked temp file in the same dir, fsync, rename, fsync dir), so a
+crash never leaves a file that reads back as valid, and processes sharing the dir never see each
+other's half-written files. Temp files count against the byte budget; one no live writer holds
+is swept. Entries are read through one no-follow, non-blocking fd (`entry_file`). A file that
+fails any check on read is moved to `<cache_dir>/quarantine/` and raised as a `CacheFault`; the
+caller treats that as a miss. A bad file that can be neither moved nor deleted is remembered in
+memory (by its size, mtime and inode) and skipped until it changes. LRU under a byte budget uses
+file mtimes, which a hit refreshes, so every process using the dir shares one order.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from gateway.kvcache.disk_format import (
     CacheFault,
@@ -34,6 +36,16 @@ from gateway.kvcache.disk_format import (
     identity_fields,
 )
 from gateway.kvcache.entry import CacheEntry
+from gateway.kvcache.entry_file import (
+    FileId,
+    create_locked,
+    is_abandoned,
+    open_regular,
+    read_all,
+    read_metadata,
+    unpack,
+    write_entry,
+)
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 
 log = logging.getLogger(__name__)
@@ -41,11 +53,12 @@ log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 _DIGEST = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: no trailing newline slips through
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
-_TEMP_PREFIX = ".tmp-"
-_STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
+_TEMP_PREFIX = ".tmp"  # ours are `.tmp-toolkv-*`; older builds left safetensors' `.tmpXXXXXX`
+_TEMP_GRACE_S = 60.0  # an unlocked temp this old belongs to a writer that died
 _MAX_QUARANTINED = 32
+_MAX_REMEMBERED_BAD = 1024
 # What a damaged header or tensor table raises while being parsed.
-_MALFORMED = (SafetensorError, ValueError, KeyError, TypeError, IndexError)
+_MALFORMED = (ValueError, KeyError, TypeError, IndexError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,7 @@ class DiskTier:
         self.identity = identity
         self.device = torch.device(device)
         self._clock = _Clock()
+        self._bad = _BadFiles()
         # Checks a loaded entry's tensors on all cores (a restart's first request waits for it).
         self._checkers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
 
@@ -99,11 +113,14 @@ class DiskTier:
         return entry.num_bytes <= self.budget_bytes
 
     def load(self, key: PrefixKey) -> CacheEntry | None:
-        """The entry for `key`, or None if there is no file. A file that fails a check is moved
-        aside and raised as a CacheFault. A hit refreshes the file's LRU position."""
+        """The entry for `key`, or None if there is no file (or only one already found bad). A
+        file that fails a check is moved aside and raised as a CacheFault. A hit refreshes the
+        file's LRU position."""
         if self.identity is None:
             raise RuntimeError("a DiskTier without an identity cannot load entries")
         path = self.path_for(key.digest)
+        if self._bad.holds(path):
+            return None
         try:
             entry = self._read(path, key, self.identity)
         except FileNotFoundError:
@@ -114,28 +131,36 @@ class DiskTier:
         self._touch(path)
         return entry
 
+    def quarantine(self, digest: str, kind: str) -> None:
+        """Set aside an entry found bad in use (e.g. KV that gives non-finite logits)."""
+        self._quarantine(self.path_for(digest), kind)
+
     def save(self, entry: CacheEntry) -> list[str]:
         """Write `entry` atomically (unless its file exists) and evict LRU files over the budget;
         returns the evicted digests. Raises CacheFault("write") when the disk refuses."""
         if self.identity is None:
             raise RuntimeError("a DiskTier without an identity cannot save entries")
         path = self.path_for(entry.key.digest)
-        if path.exists():
-            self._touch(path)
+        if os.path.lexists(path):
+            if not self._bad.holds(path):  # touching a known-bad file would make it look new
+                self._touch(path)
             return []
         try:
             self._write_atomically(path, entry, self.identity)
         except OSError as exc:
-            raise CacheFault("write", f"cannot write {path.name}: {exc}") from exc
-        except SafetensorError as exc:  # raised for I/O errors inside the serializer too
-            raise CacheFault("write", f"cannot write {path.name}: {exc}") from exc
+            raise CacheFault("write", f"cannot write {path.name}: {exc.strerror}") from exc
         self._touch(path)
+        self.sweep_stale_temps()  # another process's crash must not shrink the budget for good
         return self.evict_over_budget(keep=entry.key.digest)
 
     def remove(self, digest: str) -> bool:
+        path = self.path_for(digest)
         try:
-            self.path_for(digest).unlink()
+            path.unlink()
         except FileNotFoundError:
+            return False
+        except OSError as exc:  # read-only dir, immutable file, a directory under the name
+            log.warning("cannot remove cache file %s: %s", path.name, exc.strerror)
             return False
         return True
 
@@ -157,14 +182,16 @@ class DiskTier:
         return records
 
     def usage(self) -> tuple[int, int]:
-        """(files, bytes) in the kv dir, whichever model wrote them: the budget covers them all."""
+        """(entry files, bytes) in the kv dir, whichever model wrote them, temp files' bytes
+        included: the budget covers them all."""
         stats = self._scan()
-        return len(stats), sum(s.num_bytes for s in stats)
+        return len(stats), sum(s.num_bytes for s in stats) + self._temp_bytes()
 
     def evict_over_budget(self, keep: str = "") -> list[str]:
-        """Remove least recently used files until the dir fits the budget; never `keep`."""
+        """Remove least recently used files until the dir (temp files included) fits the
+        budget; never `keep`."""
         stats = self._scan()
-        total = sum(s.num_bytes for s in stats)
+        total = sum(s.num_bytes for s in stats) + self._temp_bytes()
         evicted: list[str] = []
         for stat in stats:
             if total <= self.budget_bytes:
@@ -174,30 +201,35 @@ class DiskTier:
                 evicted.append(stat.digest)
         return evicted
 
-    def sweep_stale_temps(self, max_age_s: float = _STALE_TEMP_S) -> int:
-        """Delete temp files left by writers that died mid-write."""
+    def sweep_stale_temps(self, max_age_s: float = _TEMP_GRACE_S) -> int:
+        """Delete temp files left by writers that died mid-write: older than `max_age_s` and
+        not locked by a live writer (in any process sharing the dir)."""
         cutoff, removed = time.time() - max_age_s, 0
-        for path in self._temps():
+        for path, _ in self._temps():
+            if not is_abandoned(path, cutoff):
+                continue
             try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-                    removed += 1
-            except FileNotFoundError:
+                path.unlink()
+                removed += 1
+            except OSError:  # gone meanwhile, or undeletable: it stays counted in the budget
                 continue
         return removed
 
     # ---- writing -----------------------------------------------------------------------------
 
     def _write_atomically(self, path: Path, entry: CacheEntry, identity: CacheIdentity) -> None:
+        """Write through a locked temp file of our own name (its lock marks it live; a crash
+        leaves a name the sweep knows), fsync, rename while still holding the lock."""
         tensors, metadata = encode(entry, identity)
         self.kv_dir.mkdir(parents=True, exist_ok=True)
-        temp = self.kv_dir / (f"{_TEMP_PREFIX}{entry.key.digest[:16]}-{os.getpid()}-"
+        temp = self.kv_dir / (f"{_TEMP_PREFIX}-toolkv-{entry.key.digest[:16]}-{os.getpid()}-"
                               f"{threading.get_ident()}-{uuid.uuid4().hex[:8]}")
+        fd = create_locked(temp)
         try:
-            save_file(tensors, str(temp), metadata=metadata)
-            _fsync_file(temp)
+            write_entry(fd, tensors, metadata)
             os.replace(temp, path)
         finally:
+            os.close(fd)
             temp.unlink(missing_ok=True)
         _fsync_dir(self.kv_dir)
 
@@ -211,29 +243,33 @@ class DiskTier:
     # ---- reading -----------------------------------------------------------------------------
 
     def _read(self, path: Path, key: PrefixKey, identity: CacheIdentity) -> CacheEntry:
+        """Read from one fd on a regular file; the path is never opened a second time."""
+        fd, st = open_regular(path)
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                header = Header.from_metadata(handle.metadata() or {})
-                check_key(header, key, identity)
-                tensors = {name: handle.get_tensor(name) for name in header.tensor_names}
-            return decode(header, tensors, key, self.device, self._checkers.map)
-        except FileNotFoundError:
-            raise
+            raw = read_all(fd, st.st_size)
         except OSError as exc:
-            raise CacheFault("read", f"cannot read {path.name}: {exc}") from None
-        except RuntimeError as exc:  # safe_open's "unable to open file": another process removed it
-            if not path.exists():
-                raise FileNotFoundError(path) from exc
-            raise CacheFault("read", f"cannot read {path.name}: {exc}") from None
+            raise CacheFault("read", f"cannot read {path.name}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            metadata, tensors = unpack(raw)
+            header = Header.from_metadata(metadata)
+            check_key(header, key, identity)
+            return decode(header, tensors, key, self.device, self._checkers.map)
         except _MALFORMED as exc:
             raise CacheFault("corrupt", f"{path.name} is not a valid entry: {exc}") from None
 
     def _record(self, stat: _FileStat) -> DiskRecord | None:
         try:
-            with safe_open(str(self.path_for(stat.digest)), framework="pt", device="cpu") as handle:
-                header = Header.from_metadata(handle.metadata() or {})
+            fd, st = open_regular(self.path_for(stat.digest))
+        except (OSError, CacheFault):
+            return None
+        try:
+            header = Header.from_metadata(read_metadata(fd, st.st_size))
         except (OSError, CacheFault, *_MALFORMED):
             return None
+        finally:
+            os.close(fd)
         return DiskRecord(stat.digest, header.group_id, header.tool_names, len(header.token_ids),
                           stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity)
 
@@ -243,50 +279,80 @@ class DiskTier:
     # ---- the directory -----------------------------------------------------------------------
 
     def _scan(self) -> list[_FileStat]:
-        """Entry files, least recently used first (ties broken by name, so the order is total)."""
-        stats = []
-        for path in self._entry_paths():
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            stats.append(_FileStat(path.name[: -len(SUFFIX)], st.st_size, st.st_mtime_ns))
+        """Regular entry files (never following a symlink), least recently used first (ties
+        broken by name, so the order is total)."""
+        stats = [_FileStat(path.name[: -len(SUFFIX)], st.st_size, st.st_mtime_ns)
+                 for path, st in self._regular_files() if _ENTRY_NAME.fullmatch(path.name)]
         return sorted(stats, key=lambda s: (s.mtime_ns, s.digest))
 
-    def _entry_paths(self) -> Iterator[Path]:
+    def _temps(self) -> list[tuple[Path, int]]:
+        """Regular temp files and their sizes."""
+        return [(path, st.st_size) for path, st in self._regular_files() if path.name.startswith(_TEMP_PREFIX)]
+
+    def _temp_bytes(self) -> int:
+        return sum(num_bytes for _, num_bytes in self._temps())
+
+    def _regular_files(self) -> Iterator[tuple[Path, os.stat_result]]:
         try:
             names = os.listdir(self.kv_dir)
         except (FileNotFoundError, NotADirectoryError):
             return
-        yield from (self.kv_dir / n for n in names if _ENTRY_NAME.fullmatch(n))
-
-    def _temps(self) -> list[Path]:
-        try:
-            return [self.kv_dir / n for n in os.listdir(self.kv_dir) if n.startswith(_TEMP_PREFIX)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        for name in names:
+            try:
+                st = os.lstat(self.kv_dir / name)
+            except OSError:  # removed meanwhile
+                continue
+            if S_ISREG(st.st_mode):
+                yield self.kv_dir / name, st
 
     def _quarantine(self, path: Path, kind: str) -> None:
-        """Move a bad file aside for inspection (or delete it), so it is never read again."""
+        """Move a bad file aside for inspection, or delete it, so it is never read again; when
+        neither works (an immutable file, a read-only dir), remember it until it changes."""
+        try:
+            seen = FileId.of(os.lstat(path))
+        except OSError:  # gone already
+            return
+        if self._move_aside(path, kind) or _delete(path):
+            return
+        self._bad.add(path, seen)
+        log.warning("cannot move or delete bad cache file %s (%s); skipping it until it changes",
+                    path.name, kind)
+
+    def _move_aside(self, path: Path, kind: str) -> bool:
         target = self.quarantine_dir / f"{path.stem}.{kind}.{time.time_ns()}{SUFFIX}"
         try:
             self.quarantine_dir.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)
-            self._trim_quarantine()
         except FileNotFoundError:
-            return
+            return not os.path.lexists(path)
         except OSError as exc:
-            log.warning("cannot move %s to quarantine (%s); deleting it", path.name, exc)
-            path.unlink(missing_ok=True)
+            log.warning("cannot move %s to quarantine (%s); deleting it", path.name, exc.strerror)
+            return False
+        self._trim_quarantine()
+        return True
 
     def _trim_quarantine(self) -> None:
         """Keep the newest few quarantined files: enough to inspect, never a growing pile."""
-        moved = sorted(self.quarantine_dir.iterdir(), key=_quarantined_at)
+        try:
+            moved = sorted(self.quarantine_dir.iterdir(), key=_quarantined_at)
+        except OSError:
+            return
         for old in moved[: max(0, len(moved) - _MAX_QUARANTINED)]:
-            old.unlink(missing_ok=True)
+            _delete(old)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+def _delete(path: Path) -> bool:
+    """Unlink `path`; True unless it is still there."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:  # read-only, immutable, or a directory under the name
+        return False
+    return True
 
 
 def _quarantined_at(path: Path) -> int:
@@ -307,6 +373,32 @@ def _fsync_dir(path: Path) -> None:
         _fsync_file(path)
     except OSError:  # some filesystems refuse fsync on a directory; the rename is still atomic
         pass
+
+
+class _BadFiles:
+    """Bad files that could not be moved or deleted, by path and the `FileId` seen when found
+    bad: the same file is skipped (no read, no second count), a rewritten one is examined again."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, FileId] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: Path, seen: FileId) -> None:
+        with self._lock:
+            self._seen.pop(path, None)
+            self._seen[path] = seen
+            if len(self._seen) > _MAX_REMEMBERED_BAD:  # bounded: forget the oldest
+                del self._seen[next(iter(self._seen))]
+
+    def holds(self, path: Path) -> bool:
+        with self._lock:
+            seen = self._seen.get(path)
+        if seen is None:
+            return False
+        try:
+            return FileId.of(os.lstat(path)) == seen
+        except OSError:
+            return False
 
 
 class _Clock:

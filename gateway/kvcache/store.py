@@ -91,6 +91,17 @@ class PrefixStore:
         if not self._writer.schedule(entry):
             self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
 
+    def quarantine(self, entry: CacheEntry, kind: str, reason: str) -> None:
+        """Drop an entry found bad in use (its KV gave non-finite logits) from every tier, set
+        its file aside, and count it: the next lookup recomputes it."""
+        digest = entry.key.digest
+        if self._writer is not None:
+            self._writer.cancel(digest)
+        self.ram.remove(digest)
+        if self.disk is not None:
+            self.disk.quarantine(digest, kind)
+        self._fault(kind, f"cache entry {digest[:16]} dropped, recomputing: {reason}")
+
     def lock(self, entry: CacheEntry) -> None:
         self.ram.lock(entry.key.digest)
 
@@ -149,6 +160,9 @@ class PrefixStore:
             return self.disk.load(key)
         except CacheFault as fault:
             self._fault(fault.kind, f"disk cache entry rejected, recomputing: {fault}")
+            return None
+        except OSError as exc:  # whatever the filesystem raises, the lookup is a miss
+            self._fault("read", f"disk cache lookup failed, recomputing: {exc.strerror}")
             return None
 
     def _persist(self, entry: CacheEntry) -> None:

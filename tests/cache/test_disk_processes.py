@@ -4,30 +4,45 @@ and a disk that refuses writes (a file-size limit, as a full disk does)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gateway.kvcache.keys import PrefixKey
 from tests.cache.entries import IDENTITY, bitwise_equal, disk, make_entry
 
 ROOT = Path(__file__).resolve().parents[2]
+ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 
 _ENDLESS_WRITER = """
 import sys
 from pathlib import Path
 from gateway.kvcache import disk_tier
 from tests.cache.entries import disk, make_entry
-real_save_file = disk_tier.save_file
-def save_file_and_report(*args, **kwargs):  # the temp file is written; fsync and rename follow
-    real_save_file(*args, **kwargs)
+real_write_entry = disk_tier.write_entry
+def write_entry_and_report(*args, **kwargs):  # the temp file is written; the rename follows
+    real_write_entry(*args, **kwargs)
     print("temp written", flush=True)
-disk_tier.save_file = save_file_and_report
+disk_tier.write_entry = write_entry_and_report
 tier = disk(Path(sys.argv[1]))
 i = 0
 while True:
     tier.save(make_entry([i] * 16, seed=i, seq_len=32768))
+    i += 1
+"""
+
+_BIG_WRITER = """
+import sys
+from pathlib import Path
+from tests.cache.entries import disk, make_entry
+tier, i = disk(Path(sys.argv[1])), 0
+print("ready", flush=True)
+while True:
+    tier.save(make_entry([i] * 16, seed=i, seq_len=1 << 18))  # 32 MB each: a wide window to kill in
     i += 1
 """
 
@@ -95,6 +110,38 @@ def test_a_writer_killed_mid_write_never_leaves_a_readable_bad_file(tmp_path: Pa
         loaded = tier.load(PrefixKey.of(IDENTITY, [i] * 16))
         assert loaded is not None and bitwise_equal(loaded, make_entry([i] * 16, seed=i, seq_len=32768))
     assert not (tmp_path / "quarantine").exists()
+
+
+def _kill_while_writing(root: Path) -> list[Path]:
+    """SIGKILL a writer as soon as a half-written file shows in the kv dir; the files left that
+    are not entries."""
+    writer = _python(_BIG_WRITER, str(root))
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+    kv_dir, leftovers = root / "kv", []
+    while not leftovers and writer.poll() is None:  # polls the dir for a condition, no sleep
+        names = os.listdir(kv_dir) if kv_dir.is_dir() else []
+        leftovers = [kv_dir / n for n in names if not ENTRY_NAME.fullmatch(n)]
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate(timeout=30)
+    return [p for p in leftovers if p.exists()]
+
+
+def test_a_writer_killed_mid_write_leaves_only_temps_that_are_budgeted_and_swept(tmp_path: Path) -> None:
+    """Whatever the writer leaves counts against the budget until a start-up sweep removes it
+    (safetensors' own save_file left `.tmpXXXXXX` files nothing knew about)."""
+    for attempt in range(5):  # the kill can land just after a rename: then there is nothing to see
+        root = tmp_path / str(attempt)
+        if leftovers := _kill_while_writing(root):
+            break
+    assert leftovers, "no kill landed mid-write in 5 attempts"
+    on_disk = sum(p.lstat().st_size for p in (root / "kv").iterdir())
+    assert disk(root).usage()[1] == on_disk  # the budget sees every byte, temps included
+    hour_ago = time.time() - 3600
+    for path in leftovers:
+        os.utime(path, (hour_ago, hour_ago))
+    disk(root).sweep_stale_temps()  # what a gateway does at start-up
+    assert all(ENTRY_NAME.fullmatch(p.name) for p in (root / "kv").iterdir())
+    assert disk(root).usage()[1] == sum(r.num_bytes for r in disk(root).records())
 
 
 def test_two_processes_writing_the_same_and_different_entries(tmp_path: Path) -> None:

@@ -72,7 +72,8 @@ def test_a_leftover_temp_file_is_never_read_as_an_entry(tmp_path: Path) -> None:
     tier.kv_dir.mkdir(parents=True)
     save_file(tensors, str(tier.kv_dir / f".tmp-{entry.key.digest[:16]}-1-2-dead"), metadata=metadata)
     assert tier.load(entry.key) is None
-    assert tier.records() == [] and tier.usage() == (0, 0)
+    temp_bytes = (tier.kv_dir / f".tmp-{entry.key.digest[:16]}-1-2-dead").stat().st_size
+    assert tier.records() == [] and tier.usage() == (0, temp_bytes)  # not an entry, but budgeted
     assert tier.sweep_stale_temps(max_age_s=0) == 1 and os.listdir(tier.kv_dir) == []
 
 
