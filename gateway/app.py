@@ -3,13 +3,15 @@ model load, engine start/stop). Everything the app owns hangs on `app.state`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import orjson
 from fastapi import FastAPI, Request
@@ -21,18 +23,23 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import cache_routes, dashboard, protocol
-from gateway.auth import KeyRing
+from gateway.admission import Preparer, TenantQuota, disconnected
+from gateway.auth import KeyRing, Tenant
+from gateway.browser_guard import install_browser_guard
 from gateway.errors import APIError, BadRequest, ModelNotFound
-from gateway.limits import BodySizeLimit, check_request_limits
+from gateway.limits import BodySizeLimit, check_json_depth, check_request_limits
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, UnsupportedField
 from gateway.runtime import Runtime, build_runtime, loaded_runtime
+from gateway.serving import Prepared
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
 BYPASS_HEADER = "x-toolkv-cache"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
 GIL_SWITCH_INTERVAL_S = 0.001
+T = TypeVar("T")
 RuntimeFactory = Callable[[Settings, Metrics], Runtime]
 
 
@@ -50,17 +57,23 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
         runtime: Runtime | None = app.state.runtime
         if runtime is not None:
             runtime.engine.stop()
+        app.state.preparer.close()
 
-    app = FastAPI(title="toolkv", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN (openapi.json stays).
+    app = FastAPI(title="toolkv", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.runtime = None
     app.state.load_error = None
     app.state.started_at = int(time.time())
     app.state.keyring = KeyRing(settings)
+    app.state.quota = TenantQuota(settings.max_requests_per_key)
+    app.state.preparer = Preparer(max_pending=settings.max_queue)
     if app.state.keyring.open:
         log.warning("no API keys configured: the gateway is open to anyone who can reach %s", settings.host)
-    app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes)
+    app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
+                       read_timeout_s=settings.body_read_timeout_s, keyring=app.state.keyring)
+    install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
     _install_error_handlers(app)
     _install_routes(app)
     app.include_router(cache_routes.router)
@@ -111,73 +124,146 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
-        tenant = request.app.state.keyring.tenant(request)
-        req = await _parse_chat_request(request)
-        check_request_limits(req, request.app.state.settings)
+        state = request.app.state
+        request_id = request.state.request_id = protocol.new_completion_id()
+        tenant = state.keyring.tenant(request)
         runtime = current_runtime(request)
-        if req.model and req.model not in runtime.model_aliases:
-            raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
-                                f"'{runtime.model_name}'", param="model")
+        body = await request.body()  # already bounded by BodySizeLimit, after the key was checked
         bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
-        prepared = runtime.service.prepare(req, bypass=bypass, received=received)
-        prepared.job.salt = request.app.state.keyring.salt_for(tenant, prepared.group_id)
-        in_flight = request.app.state.metrics.in_flight
+        release = state.quota.acquire(tenant.salt) if not state.keyring.open else _nothing
+        try:
+            req, prepared = await state.preparer.run(lambda: _prepare(
+                body, runtime, state, tenant, bypass=bypass, received=received, request_id=request_id))
+            in_flight = state.metrics.in_flight
+            if not req.stream:
+                with in_flight.track_inprogress():
+                    body_or_gone = await _unless_disconnected(request, runtime.service.complete(prepared))
+            else:
+                chunks = runtime.service.stream(prepared, req.include_usage)
+                # errors before the first byte become plain HTTP errors; a client that leaves while
+                # its stream is queued cancels it too
+                first_or_gone = await _unless_disconnected(request, anext(chunks))
+        except BaseException:
+            release()
+            raise
         if not req.stream:
-            with in_flight.track_inprogress():
-                body = await runtime.service.complete(prepared)
-            return JSONResponse(body, headers=prepared.response_headers())
-        chunks = runtime.service.stream(prepared, req.include_usage)
-        first = await anext(chunks)  # errors before the first byte become plain HTTP errors
-        grace_s = request.app.state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
-        return EventSourceResponse(_tracked(in_flight, _sse(first, chunks)), sep="\n", ping=15,
+            release()
+            if body_or_gone is _GONE:
+                runtime.service.record_disconnect(prepared, stream=False)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(body_or_gone, headers=prepared.response_headers())
+        if first_or_gone is _GONE:
+            release()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # the stream recorded its own 499
+        first = first_or_gone
+        grace_s = state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
+        events = _sse(first, chunks, state.metrics, request_id)
+        return EventSourceResponse(_tracked(in_flight, events, release), sep="\n", ping=15,
                                    headers=prepared.response_headers(), shutdown_grace_period=grace_s)
 
 
-async def _parse_chat_request(request: Request) -> ChatCompletionRequest:
-    body = await request.body()  # already bounded by BodySizeLimit
+def _nothing() -> None:
+    return None
+
+
+def _prepare(body: bytes, runtime: Runtime, state: Any, tenant: Tenant, *, bypass: bool,
+             received: float, request_id: str) -> tuple[ChatCompletionRequest, Prepared]:
+    """Everything between the body and the engine job; runs on a prepare worker thread. Every
+    check here is cheap and bounded, and comes before the expensive render and tokenize."""
+    req = _parse_chat_request(body)
+    settings: Settings = state.settings
+    check_request_limits(req, settings)
+    if req.model and req.model not in runtime.model_aliases:
+        raise ModelNotFound(f"model '{req.model}' does not exist; this server serves "
+                            f"'{runtime.model_name}'", param="model")
+    keyring: KeyRing = state.keyring
+    prepared = runtime.service.prepare(req, bypass=bypass, received=received, request_id=request_id,
+                                       salt_for=lambda group_id: keyring.salt_for(tenant, group_id))
+    return req, prepared
+
+
+_GONE: Any = object()  # the client hung up
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `_GONE` (with `work` cancelled: its cleanup marks the engine job
+    cancelled, so the engine drops it from the queue or stops generating) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return cast(T, _GONE)
+
+
+def _parse_chat_request(body: bytes) -> ChatCompletionRequest:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_json_depth(data)
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
 
 
-async def _tracked(gauge: Gauge, events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
-    with gauge.track_inprogress():
-        async for event in events:
-            yield event
+async def _tracked(gauge: Gauge, events: AsyncIterator[dict[str, str]],
+                   release: Callable[[], None]) -> AsyncIterator[dict[str, str]]:
+    try:
+        with gauge.track_inprogress():
+            async for event in events:
+                yield event
+    finally:
+        release()
 
 
-async def _sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+async def _sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], metrics: Metrics,
+               request_id: str) -> AsyncIterator[dict[str, str]]:
     yield {"data": orjson.dumps(first).decode()}
     try:
         async for chunk in chunks:
             yield {"data": orjson.dumps(chunk).decode()}
     except APIError as exc:
         yield {"data": orjson.dumps(exc.envelope()).decode()}
+    except Exception:  # a bug after the first byte: end the stream with an error, count it
+        log.exception("unhandled error in a stream", extra={"toolkv": {"request_id": request_id}})
+        metrics.requests.labels(status="500", stream="true").inc()
+        yield {"data": orjson.dumps(protocol_error("internal server error", "server_error", None)).decode()}
     yield {"data": "[DONE]"}
 
 
 def _validation_error(errors: list[Any]) -> BadRequest:
     first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedField):
+        return BadRequest(str(cause), param=cause.field, code="unsupported_parameter")
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = _param_path(loc)
     return BadRequest(f"invalid value for '{param or 'body'}': {first.get('msg')}", param=param or None)
 
 
 def _param_path(loc: list[str]) -> str:
+    """The field path of a pydantic error location, without the union-member tags pydantic adds
+    (`str`, `list[TextPart]`, `NamedToolChoice`, `function-after[...]`, `literal[...]`)."""
     out = ""
     for part in loc:
         if part.isdigit():
             out += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "NamedToolChoice", "function-after[_content_required(), MessageIn]"):
+        elif part in ("str", "int", "float", "bool") or part[:1].isupper() or "[" in part:
             continue
-        elif not part.startswith(("literal[", "function-", "list[", "str", "int", "float", "bool")):
+        else:
             out += ("." if out else "") + part
     return out
 
@@ -187,6 +273,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path == "/v1/chat/completions":
             request.app.state.metrics.requests.labels(status=str(exc.status_code), stream="unknown").inc()
+        if exc.status_code >= 500:
+            log.warning("request failed: %s", exc.message, extra={"toolkv": {
+                "request_id": _request_id(request), "status": exc.status_code}})
         return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -202,8 +291,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
+        """A bug: counted (`toolkv_requests_total{status="500"}` for chat), logged with the request
+        id and the traceback, answered with a generic envelope (no internals reach the client)."""
+        if request.url.path == "/v1/chat/completions":
+            request.app.state.metrics.requests.labels(status="500", stream="unknown").inc()
+        log.error("unhandled error", exc_info=exc, extra={"toolkv": {"request_id": _request_id(request),
+                                                                      "status": 500}})
         return JSONResponse(protocol_error("internal server error", "server_error", None), status_code=500)
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
 
 
 def protocol_error(message: str, error_type: str, code: str | None) -> dict[str, Any]:

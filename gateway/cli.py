@@ -57,13 +57,12 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_server import server_config
 
     log = logging.getLogger("gateway")
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: anyone who can reach it can use the model", settings.host)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
+    uvicorn.Server(server_config(create_app(settings), settings)).run()
     return 0
 
 

@@ -53,6 +53,12 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class RequestTimeout(APIError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLarge(APIError):
     status_code = 413
     error_type = "invalid_request_error"

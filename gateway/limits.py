@@ -1,53 +1,78 @@
-"""Input limits from settings: body size (an ASGI middleware that answers 413 before the body is
-parsed), and the size of what a request asks the model to read (tools, schemas, messages)."""
+"""Input limits from settings: body size and read time (an ASGI middleware that answers 401, 413 or
+408 before the body is parsed), nesting depth, and the size of what a request asks the model to
+read (tools, schemas, messages)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from itertools import repeat
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.auth import KeyRing
+from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout
 from gateway.protocol import ChatCompletionRequest
 from gateway.settings import Settings
 
 
 class BodySizeLimit:
-    """Reads at most `limit_bytes` of a request body; a larger one gets 413 and is never parsed."""
+    """Reads at most `limit_bytes` of a request body, within `read_timeout_s`; a larger one gets 413
+    and is never parsed, a slower one 408. On `/v1/` routes the API key is checked from the headers
+    first: a caller without a valid key gets its 401 before a byte of its body is read."""
 
-    def __init__(self, app: ASGIApp, limit_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limit_bytes: int, read_timeout_s: float = 30.0,
+                 keyring: KeyRing | None = None) -> None:
         self.app = app
         self.limit_bytes = limit_bytes
+        self.read_timeout_s = read_timeout_s
+        self.keyring = keyring
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        if self.keyring is not None and scope["path"].startswith("/v1/"):
+            try:
+                self.keyring.tenant(Request(scope))
+            except APIError as exc:
+                await _answer(send, exc)
+                return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit_bytes:
-            await self._reject(send)
+            await _answer(send, self._too_large())
             return
         body, more = bytearray(), True
+        deadline = time.monotonic() + self.read_timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                await _answer(send, RequestTimeout(
+                    f"the request body did not arrive within {self.read_timeout_s:g} s"))
+                return
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit_bytes:
-                await self._reject(send)
+                await _answer(send, self._too_large())
                 return
         await self.app(scope, _replay(bytes(body), receive), send)
 
-    async def _reject(self, send: Send) -> None:
-        error = PayloadTooLarge(f"the request body is larger than the limit of {self.limit_bytes} bytes")
-        payload = orjson.dumps(error.envelope())
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request body is larger than the limit of {self.limit_bytes} bytes")
+
+
+async def _answer(send: Send, error: APIError) -> None:
+    payload = orjson.dumps(error.envelope())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -63,6 +88,29 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+MAX_JSON_DEPTH = 64  # a request body, or a tool call's arguments text, nests at most this deep
+
+
+def check_json_depth(data: Any, limit: int = MAX_JSON_DEPTH, param: str | None = None) -> None:
+    """400 for JSON nested deeper than `limit`: walked iteratively, before any recursive
+    validator or serializer (pydantic, orjson, json, the chat template) sees it."""
+    if _depth(data, limit) > limit:
+        where = f"'{param}'" if param else "the request body"
+        raise BadRequest(f"{where} nests deeper than {limit} levels", param=param)
+
+
+def check_arguments_text(text: str, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """A tool call's `arguments` is JSON text that the chat template parses again: bound its depth
+    (orjson stops at 1,024 levels by itself, with an error that says so)."""
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        if any(word in str(exc).lower() for word in ("depth", "recursion")):  # orjson's own limit
+            raise BadRequest(f"'{param}' nests deeper than {limit} levels", param=param) from None
+        return  # not JSON: the template writes it as text
+    check_json_depth(parsed, limit, param)
+
+
 def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None:
     if len(req.messages) > settings.max_messages:
         raise BadRequest(f"{len(req.messages)} messages; the limit is {settings.max_messages}", param="messages")
@@ -71,13 +119,18 @@ def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None
         raise BadRequest(f"{len(tools)} tools; the limit is {settings.max_tools}", param="tools")
     for index, tool in enumerate(tools):
         params = tool.function.parameters or {}
+        if _depth(params, settings.max_schema_depth) > settings.max_schema_depth:
+            raise BadRequest(f"the parameters schema of tool '{tool.function.name}' nests deeper than "
+                             f"{settings.max_schema_depth} levels", param=f"tools[{index}].function.parameters")
         size = len(orjson.dumps(tool.model_dump(exclude_none=True)))
         if size > settings.max_tool_schema_bytes:
             raise BadRequest(f"tool '{tool.function.name}' is {size} bytes of JSON; the limit is "
                              f"{settings.max_tool_schema_bytes}", param=f"tools[{index}]")
-        if _depth(params, settings.max_schema_depth) > settings.max_schema_depth:
-            raise BadRequest(f"the parameters schema of tool '{tool.function.name}' nests deeper than "
-                             f"{settings.max_schema_depth} levels", param=f"tools[{index}].function.parameters")
+    for m_index, message in enumerate(req.messages):
+        for c_index, call in enumerate(message.tool_calls or ()):
+            if isinstance(call.function.arguments, str):
+                check_arguments_text(call.function.arguments,
+                                     f"messages[{m_index}].tool_calls[{c_index}].function.arguments")
 
 
 def _depth(value: Any, limit: int) -> int:

@@ -15,54 +15,85 @@ change the text around it, so only tokens without them are boundaries.
 Not taken on trust: the first request of each group tokenizes the whole prompt the plain way and
 the split way and compares them; a group whose two results differ is always tokenized whole. Every
 later request checks that its tail starts with the boundary token.
+
+Heads are per tenant (a namespace: the tenant's cache salt). A shared head would let one tenant
+time whether another had sent a system prompt + tools (a remembered head makes the request
+faster). And a head is remembered only once its request is accepted (`encode_pending` + commit):
+a request rejected after tokenizing (over the context, say) leaves nothing behind. Each tenant
+keeps at most `max_heads_per_namespace` heads, all tenants together `max_heads`, token ids packed
+as 32-bit arrays.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-MAX_HEADS = 256  # distinct tool-group texts remembered (~100 KB each for 3,000 tokens)
+MAX_HEADS = 256  # distinct (tenant, tool-group text) pairs remembered in all
+MAX_HEADS_PER_NAMESPACE = 64  # one tenant cannot evict every other tenant's heads
 
 
 @dataclass(frozen=True, slots=True)
 class _Head:
     split: int  # char index where the boundary token starts
     boundary_id: int
-    ids: tuple[int, ...]  # tokens before `split`
-    ends: tuple[int, ...]  # their end offsets
+    ids: array[int]  # tokens before `split`
+    ends: array[int]  # their end offsets
+
+
+def _noop() -> None:
+    return None
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Any, max_heads: int = MAX_HEADS) -> None:
+    def __init__(self, tokenizer: Any, max_heads: int = MAX_HEADS,
+                 max_heads_per_namespace: int = MAX_HEADS_PER_NAMESPACE) -> None:
         self.tokenizer = tokenizer
         self.max_heads = max_heads
+        self.max_heads_per_namespace = max_heads_per_namespace
         self.boundaries = _boundary_tokens(tokenizer)
-        self._heads: OrderedDict[str, _Head | None] = OrderedDict()  # None: tokenize that group whole
+        # (namespace, group text) -> head; None: tokenize that group whole
+        self._heads: OrderedDict[tuple[str, str], _Head | None] = OrderedDict()
         self._lock = threading.Lock()
         self.split_uses = 0  # requests served from a cached head (for tests and metrics)
 
-    def encode(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
-        """(token ids of `text`, number of them that end at or before `prefix_chars`)."""
+    def encode(self, text: str, prefix_chars: int, namespace: str = "") -> tuple[list[int], int]:
+        """(token ids of `text`, number of them that end at or before `prefix_chars`); a group seen
+        for the first time is remembered at once."""
+        ids, prefix_len, commit = self.encode_pending(text, prefix_chars, namespace)
+        commit()
+        return ids, prefix_len
+
+    def encode_pending(self, text: str, prefix_chars: int,
+                       namespace: str = "") -> tuple[list[int], int, Callable[[], None]]:
+        """As `encode`, but a newly learned head is kept only when the returned commit is called
+        (once the request is accepted)."""
         if not prefix_chars or not self.boundaries:
-            return self._whole(text, prefix_chars)
-        group_text = text[:prefix_chars]
+            return (*self._whole(text, prefix_chars), _noop)
+        slot = (namespace, text[:prefix_chars])
         with self._lock:
-            known = group_text in self._heads
-            head = self._heads.get(group_text)
+            known = slot in self._heads
+            head = self._heads.get(slot)
             if known:
-                self._heads.move_to_end(group_text)
+                self._heads.move_to_end(slot)
         if not known:
-            return self._first_sight(text, prefix_chars, group_text)
+            return self._first_sight(text, prefix_chars, slot)
         if head is not None:
             split = self._split(text, prefix_chars, head)
             if split is not None:
                 self.split_uses += 1
-                return split
-        return self._whole(text, prefix_chars)
+                return (*split, _noop)
+        return (*self._whole(text, prefix_chars), _noop)
+
+    def remembered(self, namespace: str = "") -> list[str]:
+        """The group texts whose heads `namespace` has, oldest first."""
+        with self._lock:
+            return [text for ns, text in self._heads if ns == namespace]
 
     def _whole(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
         ids, ends = self._encode(text)
@@ -76,17 +107,24 @@ class PromptTokenizer:
         ends = [*head.ends, *(head.split + end for end in tail_ends)]
         return ids, _cut(ends, prefix_chars)
 
-    def _first_sight(self, text: str, prefix_chars: int, group_text: str) -> tuple[list[int], int]:
+    def _first_sight(self, text: str, prefix_chars: int,
+                     slot: tuple[str, str]) -> tuple[list[int], int, Callable[[], None]]:
         """Tokenize whole; learn the group's head only if the split way gives the same tokens."""
         ids, ends = self._encode(text)
-        head = self._head_of(group_text, ids, ends)
+        head = self._head_of(slot[1], ids, ends)
         if head is not None and self._split(text, prefix_chars, head) != (ids, _cut(ends, prefix_chars)):
             head = None
+        return ids, _cut(ends, prefix_chars), lambda: self._remember(slot, head)
+
+    def _remember(self, slot: tuple[str, str], head: _Head | None) -> None:
         with self._lock:
-            self._heads[group_text] = head
+            self._heads[slot] = head
+            self._heads.move_to_end(slot)
+            mine = [key for key in self._heads if key[0] == slot[0]]
+            for key in mine[: max(0, len(mine) - self.max_heads_per_namespace)]:
+                del self._heads[key]
             while len(self._heads) > self.max_heads:
                 self._heads.popitem(last=False)
-        return ids, _cut(ends, prefix_chars)
 
     def _head_of(self, group_text: str, ids: list[int], ends: list[int]) -> _Head | None:
         found = [(group_text.rfind(token), token) for token in self.boundaries]
@@ -96,7 +134,7 @@ class PromptTokenizer:
         count = bisect.bisect_right(ends, split)
         if count >= len(ids) or ids[count] != self.boundaries[token] or (count and ends[count - 1] != split):
             return None
-        return _Head(split, ids[count], tuple(ids[:count]), tuple(ends[:count]))
+        return _Head(split, ids[count], array("i", ids[:count]), array("i", ends[:count]))
 
     def _encode(self, text: str) -> tuple[list[int], list[int]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

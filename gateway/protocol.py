@@ -1,7 +1,11 @@
 """The OpenAI chat-completions wire format: request validation at the edge, response builders.
 
-Requests accept and ignore unknown fields (clients send vendor extras); known fields are typed
-and a wrong type is a 400 that names the field.
+Types are strict at the edge: a string is not a number and a number is not a boolean
+(`"max_tokens": "5"` and `"stream": "yes"` are 400s that name the field, not coerced). Integers are
+range-checked before they reach torch. OpenAI fields toolkv does not implement are a 400 naming
+the field unless they hold their no-op default (`"logprobs": false`, `"frequency_penalty": 0`):
+a client never gets a 200 that silently ignored what it asked for. Fields outside OpenAI's API
+(vendor extras some clients send) are ignored.
 """
 
 from __future__ import annotations
@@ -12,11 +16,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from adapters.base import ChatMessage, ToolCallIn, ToolSpec
+from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown keys are ignored (vendor extras); known keys are typed strictly."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Lenient):
@@ -59,7 +69,7 @@ class MessageIn(_Lenient):
 
 
 class FunctionSpecIn(_Lenient):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)  # OpenAI's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -87,23 +97,63 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class UnsupportedField(ValueError):
+    """An OpenAI request field toolkv does not implement, holding a value that would matter."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(f"'{field}' is not supported by this server")
+        self.field = field
+
+
+# OpenAI fields that are not implemented, each with the values that ask for nothing (accepted).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
+    "response_format": lambda v: v == {"type": "text"},
+    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "logit_bias": lambda v: v == {},
+    "functions": lambda v: False,
+    "function_call": lambda v: False,
+    "audio": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "verbosity": lambda v: False,
+    "moderation": lambda v: False,
+    "store": lambda v: v is False,
+    "service_tier": lambda v: v in ("auto", "default"),
+}
+
+
 class ChatCompletionRequest(_Lenient):
     model: str | None = None
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's seed is an int64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, is_noop in UNSUPPORTED_FIELDS.items():
+                value = data.get(name)
+                if value is not None and not is_noop(value):
+                    raise UnsupportedField(name)
+        return data
 
     @field_validator("n")
     @classmethod

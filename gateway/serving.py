@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,7 @@ class ChatService:
         self.renderer = PromptRenderer(tokenizer, family)
         self.prompt_tokens = PromptTokenizer(tokenizer)
         self.marker_ids = _marker_ids(tokenizer, family.call_markers)
+        self.max_token_chars = max_token_chars(tokenizer)
         self.model_name = model_name
         self.context_len = context_len
         self.metrics = metrics
@@ -88,32 +89,53 @@ class ChatService:
     # ---- preparing -------------------------------------------------------------------------
 
     def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "",
-                received: float | None = None) -> Prepared:
-        """The engine job for `req`; `received` is when the request arrived (perf_counter)."""
+                received: float | None = None, *, salt_for: Callable[[str], str] | None = None,
+                request_id: str | None = None) -> Prepared:
+        """The engine job for `req`; `received` is when the request arrived (perf_counter).
+
+        `salt_for(group_id)` gives the tenant's cache salt for the group (default: `salt`). It also
+        namespaces the tokenizer's remembered heads, so tenants never share prepare-time state.
+        Blocking (render + tokenize): call it off the event loop."""
         received = time.perf_counter() if received is None else received
         messages = [m.to_chat() for m in req.messages]
+        self._check_characters(messages)
         tools = [t.to_spec() for t in req.tools or ()]
         check_unique_names(tools)
         _check_tool_choice(req)
         rendered = self._render(messages, tools)
+        group_id = rendered.group.group_id  # a hash of the whole group: computed once
+        salt = salt_for(group_id) if salt_for is not None else salt
         forced = self._forced_call(req, tools)
-        ids, prefix_len = self._tokenize(rendered.text, rendered.prefix_chars, forced.opening)
+        ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, salt)
+        if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
+            ids += self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
         params = self._sampling(req, len(ids))
         single_call = req.parallel_tool_calls is False
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
-        group_id = rendered.group.group_id  # a hash of the whole group: computed once
         tools_active = bool(tools) and req.tool_choice != "none"
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, group_id=group_id,
                   tool_names=rendered.group.tool_names,
                   keep_token_ids=self.marker_ids if tools_active else frozenset())
+        commit()  # accepted: only now may its tokenized head be remembered
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
                         forced_opening=forced.opening, single_call=single_call,
                         use_cache=use_cache, group_id=group_id, started=received,
-                        prepare_s=time.perf_counter() - received)
+                        prepare_s=time.perf_counter() - received,
+                        request_id=request_id or protocol.new_completion_id())
+
+    def _check_characters(self, messages: list[ChatMessage]) -> None:
+        """Reject a prompt that cannot fit before rendering or tokenizing it: no token spans more
+        than `max_token_chars` characters, so text longer than context x that is over the context
+        whatever it tokenizes to. Message texts appear verbatim in the rendered prompt."""
+        chars = sum(len(m.content or "") for m in messages)
+        if chars > self.context_len * self.max_token_chars:
+            raise ContextLengthExceeded(
+                f"the messages hold {chars} characters, more than this model's context of "
+                f"{self.context_len} tokens can take", param="messages")
 
     def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
         try:
@@ -133,9 +155,10 @@ class ChatService:
         return ForcedCall(self.family.call_opening(name))
 
     def _tokenize(self, text: str, prefix_chars: int, opening: str) -> tuple[list[int], int]:
-        """The prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the prefix."""
+        """The prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the prefix,
+        in the shared namespace (warming fills the shared namespace)."""
         ids, prefix_len = self.prompt_tokens.encode(text, prefix_chars)
-        if opening:  # the suffix only; the opening is generated text, never part of the prefix
+        if opening:
             ids += self.tokenizer(opening, add_special_tokens=False)["input_ids"]
         return ids, prefix_len
 
@@ -208,9 +231,23 @@ class ChatService:
                 "tool_calls": wire}, "tool_calls"
 
     async def stream(self, prepared: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage."""
-        cid, created, model = prepared.request_id, int(time.time()), prepared.model_name
+        """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage.
+        A client that goes away cancels the generation, and is counted and logged as 499."""
         outcome = Outcome()
+        try:
+            async for chunk in self._stream(prepared, include_usage, outcome):
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            self.record_disconnect(prepared, outcome, stream=True)
+            raise
+
+    def record_disconnect(self, prepared: Prepared, outcome: Outcome | None = None, *, stream: bool) -> None:
+        """The client went away before the response was complete (nginx's 499)."""
+        self._record(prepared, outcome or Outcome(prefilled=prepared.prefilled), "499", stream=stream)
+
+    async def _stream(self, prepared: Prepared, include_usage: bool,
+                      outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
+        cid, created, model = prepared.request_id, int(time.time()), prepared.model_name
         streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
@@ -258,6 +295,9 @@ class ChatService:
         m, pre = self.metrics, outcome.prefilled
         m.requests.labels(status=status, stream=str(stream).lower()).inc()
         if pre is None:
+            log.info("request done", extra={"toolkv": {
+                "request_id": prepared.request_id, "group_id": prepared.group_id, "status": status,
+                "latency_ms": round((time.perf_counter() - prepared.started) * 1000, 1)}})
             return
         m.cache_lookups.labels(result=pre.result, tier=pre.tier or "none").inc()
         m.prompt_tokens.inc(pre.prompt_tokens)
@@ -344,6 +384,14 @@ def _forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | Non
     if req.tool_choice == "required" and len(tools) == 1:
         return tools[0].name
     return None
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for. A vocabulary entry's string has one character
+    per byte (byte-level BPE) or per character (SentencePiece's `▁` for a space), and a character
+    is at least one byte, so no token covers more characters than its entry is long. (This holds
+    for tokenizers whose normalizer never deletes characters: every chat model's here.)"""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 def _marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:

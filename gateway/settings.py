@@ -59,6 +59,9 @@ class Settings(BaseModel):
     max_tool_schema_bytes: int = Field(64 * 1024, ge=256)  # one tool's JSON
     max_schema_depth: int = Field(24, ge=2)
     max_messages: int = Field(1024, ge=1)
+    max_requests_per_key: int = Field(16, ge=1)  # queued + running chat requests of one API key
+    header_read_timeout_s: float = Field(10.0, gt=0)  # from connect (or the request's first byte) to its last header
+    body_read_timeout_s: float = Field(30.0, gt=0)  # to read a whole request body
 
     # keys and tenants (keys are never logged)
     api_keys: tuple[str, ...] = ()  # empty: the gateway is open

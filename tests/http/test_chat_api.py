@@ -151,7 +151,8 @@ def test_bad_requests_get_openai_error_envelopes(live, body, status, param, code
 
 
 def test_invalid_json_and_unknown_route_are_enveloped(live):
-    bad = httpx.post(live.api_url + "/chat/completions", content=b"{not json", timeout=10)
+    bad = httpx.post(live.api_url + "/chat/completions", content=b"{not json",
+                     headers={"content-type": "application/json"}, timeout=10)
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
     missing = httpx.get(live.base_url + "/v1/nothing", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

@@ -78,3 +78,42 @@ def test_arbitrary_bodies_never_5xx(fuzz_server, raw):
     resp = httpx.post(fuzz_server.api_url + "/chat/completions", content=raw, timeout=60,
                       headers={"content-type": "application/json"})
     assert_enveloped(resp.status_code, resp.content)
+
+
+def _nest(depth: int, kind: str) -> str:
+    """JSON text nested `depth` deep, built as text (json.dumps itself would recurse)."""
+    opener, closer = ("[", "]") if kind == "list" else ('{"a":', "}")
+    return opener * depth + "1" + closer * depth
+
+
+numeric_strings = st.sampled_from(["5", "1e30", "100000000000000000000000", "-1", "0x10", "NaN", " 7 ", "true"])
+deep = st.tuples(st.integers(20, 3000), st.sampled_from(["list", "dict"])).map(lambda t: _nest(*t))
+deep_spot = st.sampled_from([
+    '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+    '{"name": "f", "parameters": %s}}]}',
+    '{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", '
+    '"function": {"name": "f", "arguments": %s}}]}, {"role": "user", "content": "hi"}]}',
+    '{"messages": [{"role": "user", "content": "hi"}], "metadata": %s}',
+    '{"messages": [{"role": "user", "content": %s}]}',
+])
+
+
+@given(template=deep_spot, nested=deep, as_text=st.booleans())
+@FUZZ
+def test_deep_nesting_anywhere_never_5xx(fuzz_server, template, nested, as_text):
+    value = json.dumps(nested) if as_text else nested  # as a JSON string (arguments text) or as JSON
+    resp = httpx.post(fuzz_server.api_url + "/chat/completions", content=(template % value).encode(),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert_enveloped(resp.status_code, resp.content)
+
+
+@given(field=st.sampled_from(["max_tokens", "max_completion_tokens", "seed", "temperature", "top_p", "n",
+                              "stream", "parallel_tool_calls"]),
+       value=numeric_strings | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False))
+@FUZZ
+def test_numeric_strings_and_huge_numbers_are_4xx_or_served(fuzz_server, field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    resp = httpx.post(fuzz_server.api_url + "/chat/completions", json=body, timeout=60)
+    assert_enveloped(resp.status_code, resp.content)
+    if isinstance(value, str):
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
+from gateway.http_server import server_config
 from gateway.settings import Settings
 
 READY_DEADLINE_S = 300.0
@@ -54,8 +55,8 @@ def wait_until_ready(base_url: str, deadline_s: float = READY_DEADLINE_S) -> dic
 @contextmanager
 def serve_app(app: FastAPI, wait_ready: bool = True) -> Iterator[LiveServer]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
+    server = uvicorn.Server(server_config(app, app.state.settings, host="127.0.0.1", port=port,
+                                          log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

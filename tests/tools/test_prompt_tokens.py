@@ -136,4 +136,29 @@ def test_groups_are_remembered_up_to_the_limit(merchant_tools):
     heads = [f"<|im_start|>system\ngroup {i}<|im_end|>\n" for i in range(3)]
     for head in heads:
         tokens.encode(head + "<|im_start|>user\nq<|im_end|>\n", len(head))
-    assert list(tokens._heads) == heads[1:]
+    assert tokens.remembered() == heads[1:]
+
+
+def test_heads_are_per_tenant_and_one_tenant_cannot_evict_the_others(merchant_tools):
+    tokenizer = sentencepiece_like("bytelevel", [json.dumps(t) for t in merchant_tools])
+    tokens = PromptTokenizer(tokenizer, max_heads=8, max_heads_per_namespace=3)
+    head = "<|im_start|>system\nshared text<|im_end|>\n"
+    tokens.encode(head + "<|im_start|>user\nq<|im_end|>\n", len(head), namespace="tenant-a")
+    assert tokens.remembered("tenant-a") == [head] and tokens.remembered("tenant-b") == []
+    for i in range(10):  # tenant b floods with distinct groups
+        other = f"<|im_start|>system\nflood {i}<|im_end|>\n"
+        tokens.encode(other + "<|im_start|>user\nq<|im_end|>\n", len(other), namespace="tenant-b")
+    assert len(tokens.remembered("tenant-b")) == 3
+    assert tokens.remembered("tenant-a") == [head]
+
+
+def test_a_head_is_kept_only_when_its_request_is_accepted(merchant_tools):
+    tokenizer = sentencepiece_like("bytelevel", [json.dumps(t) for t in merchant_tools])
+    tokens = PromptTokenizer(tokenizer)
+    head = "<|im_start|>system\nrejected later<|im_end|>\n"
+    text = head + "<|im_start|>user\nq<|im_end|>\n"
+    ids, prefix_len, commit = tokens.encode_pending(text, len(head))
+    assert (ids, prefix_len) == whole(tokenizer, text, len(head))
+    assert tokens.remembered() == []  # not committed: nothing kept
+    commit()
+    assert tokens.remembered() == [head]
