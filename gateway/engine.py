@@ -278,7 +278,8 @@ class Engine:
     def _forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
 
     def _decode(self, job: Job, logits: torch.Tensor, cache: Any) -> None:
         sampler = Sampler(job.params)

@@ -13,6 +13,7 @@ file mtimes, which a hit refreshes, so every process using the dir shares one or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -235,10 +236,8 @@ class DiskTier:
 
     def _touch(self, path: Path) -> None:
         stamp = self._clock.now_ns()
-        try:
+        with contextlib.suppress(OSError):  # removed meanwhile, or a read-only dir: LRU order is best effort
             os.utime(path, ns=(stamp, stamp))
-        except OSError:  # removed meanwhile, or a read-only dir: LRU order is best effort
-            pass
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -369,10 +368,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is still atomic
         _fsync_file(path)
-    except OSError:  # some filesystems refuse fsync on a directory; the rename is still atomic
-        pass
 
 
 class _BadFiles:

@@ -70,10 +70,11 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def read_all(fd: int, num_bytes: int) -> bytearray:
-    """Exactly `num_bytes` from the start of `fd`; a file that shrank meanwhile is `corrupt`."""
-    buffer = bytearray(num_bytes)
-    view, done = memoryview(buffer), 0
+def read_all(fd: int, num_bytes: int) -> torch.Tensor:
+    """Exactly `num_bytes` from the start of `fd`, as uint8 (uninitialised memory, not a zeroed
+    bytearray: the read fills it); a file that shrank meanwhile is `corrupt`."""
+    buffer = torch.empty(num_bytes, dtype=torch.uint8)
+    view, done = buffer.numpy().data, 0
     while done < num_bytes:
         got = os.preadv(fd, [view[done:]], done)
         if got == 0:
@@ -89,19 +90,20 @@ def read_metadata(fd: int, num_bytes: int) -> dict[str, str]:
     return _metadata(table)
 
 
-def unpack(buffer: bytearray) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def unpack(buffer: torch.Tensor) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Metadata and tensors (views of `buffer`, no copy) of a safetensors file's bytes. Raises
     ValueError on anything malformed: lengths, JSON, dtypes, shapes, or offsets that do not tile
     the data exactly."""
-    header_len = _header_len(bytes(buffer[:8]), len(buffer))
-    table = _table(bytes(buffer[8 : 8 + header_len]), header_len)
+    raw = buffer.numpy().data
+    header_len = _header_len(bytes(raw[:8]), len(raw))
+    table = _table(bytes(raw[8 : 8 + header_len]), header_len)
     metadata = _metadata(table)
     start, end = 8 + header_len, len(buffer)
     tensors: dict[str, torch.Tensor] = {}
     position = 0
     for begin, stop, name, dtype, shape in sorted(_spans(table)):
-        if begin != position:
-            raise ValueError(f"tensor {name} does not start where the previous one ends")
+        if begin != position or stop > end - start:
+            raise ValueError(f"tensor {name} does not start where the previous one ends, or overruns the file")
         tensors[name] = _view(buffer, start + begin, stop - begin, dtype, shape)
         position = stop
     if position != end - start:
@@ -205,16 +207,18 @@ def _spans(table: dict[str, Any]) -> list[tuple[int, int, str, torch.dtype, list
     return spans
 
 
-def _view(buffer: bytearray, offset: int, num_bytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def _view(buffer: torch.Tensor, offset: int, num_bytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if num_bytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=num_bytes // dtype.itemsize, offset=offset).reshape(shape)
+    if offset % dtype.itemsize:
+        raise ValueError("a tensor's data is not aligned to its dtype")
+    return buffer[offset : offset + num_bytes].view(dtype).reshape(shape)
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy when it is contiguous on the CPU (any dtype)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data
 
 
 def _write_all(fd: int, chunks: list[bytes | memoryview]) -> None:

@@ -172,7 +172,7 @@ class PrefixStore:
         except CacheFault as fault:
             self._fault(fault.kind, f"disk cache write failed, entry kept in RAM only: {fault}")
             return
-        except Exception as exc:  # noqa: BLE001 - whatever the serializer raises, the write failed
+        except Exception as exc:  # whatever the serializer raises, the write failed
             self._fault("write", f"disk cache write failed, entry kept in RAM only: {exc!r}")
             return
         self.tally.add("eviction", "disk", len(evicted))

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,17 +20,11 @@ from safetensors.torch import save_file
 
 from gateway.kvcache.disk_format import Header
 from gateway.kvcache.entry_file import create_locked
-from tests.cache.test_restart import (  # noqa: F401 - module fixtures, shared with the restart tests
-    GROUPS,
-    FirstRun,
-    _cached_tokens,
-    _copy_cache,
-    _message,
-    chat_body,
-    first_run,
-    gateway_process,
-    model_dir,
-)
+from tests.cache import test_restart
+from tests.cache.test_restart import GROUPS, FirstRun, _cached_tokens, _copy_cache, _message, chat_body, gateway_process
+
+# The restart tests' module fixtures (a first run's cache dir and outputs), built once here too.
+first_run, model_dir = test_restart.first_run, test_restart.model_dir
 
 
 def _poison(path: Path) -> None:
@@ -39,7 +32,8 @@ def _poison(path: Path) -> None:
     write the dir could."""
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
-        tensors = {name: torch.full_like(handle.get_tensor(name), float("nan")) for name in handle.keys()}  # noqa: SIM118
+        names = list(handle.keys())
+        tensors = {name: torch.full_like(handle.get_tensor(name), float("nan")) for name in names}
     header = Header.from_metadata(metadata)
     signed = header.signed(tensors[name] for name in header.tensor_names)
     save_file(tensors, str(path), metadata=signed.to_metadata())
@@ -61,7 +55,8 @@ class Tampered:
 
 
 @pytest.fixture(scope="module")
-def tampered(first_run: FirstRun, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tampered]:
+def tampered(first_run: FirstRun, model_dir: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tampered]:
     work = tmp_path_factory.mktemp("tampered")
     cache_dir = _copy_cache(first_run, work / "cache")
     files = {group: first_run.entry_file(cache_dir, group) for group in GROUPS}
