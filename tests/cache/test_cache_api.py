@@ -142,7 +142,7 @@ def test_warm_refuses_a_group_below_the_minimum(api: httpx.Client) -> None:
 
 def test_warm_rejects_a_body_that_is_not_json(api: httpx.Client) -> None:
     resp = api.post("/cache/warm", content=b"{tools: nope", headers={"content-type": "application/json"})
-    assert resp.status_code == 400 and "invalid" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
 
 
 def test_cache_management_needs_the_admin_key(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
