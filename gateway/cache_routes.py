@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -20,6 +21,7 @@ from gateway.errors import (
     NotFound,
     Overloaded,
 )
+from gateway.limits import check_json_depth
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
@@ -34,9 +36,11 @@ async def warm(request: Request) -> JSONResponse:
     """Compile a tool group now; when this returns, the entry is in RAM and (if the disk allows)
     on disk, so it also survives a restart."""
     runtime = _admin_runtime(request)
-    body = _warm_request(await request.body())
+    raw = await request.body()
     settings: Settings = request.app.state.settings
-    plan = plan_warm(runtime.service, body, settings.max_tools)
+    # parsing, rendering and tokenizing a group is blocking work: off the event loop
+    plan = await asyncio.to_thread(lambda: plan_warm(runtime.service, _warm_request(raw), settings.max_tools,
+                                                     settings.max_schema_depth))
     try:
         future = runtime.engine.call(lambda: compile_plan(runtime.engine, plan))
     except QueueFull:
@@ -82,6 +86,10 @@ async def clear(request: Request) -> JSONResponse:
 
 
 def _warm_request(raw: bytes) -> WarmRequest:
+    try:
+        check_json_depth(orjson.loads(raw or b"{}"))
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     try:
         return WarmRequest.model_validate_json(raw or b"{}")
     except ValidationError as exc:

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 
-
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
 

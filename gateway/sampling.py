@@ -21,11 +21,14 @@ class SamplingParams:
 
 
 class NonFiniteLogits(Exception):
-    """The model gave NaN or infinite logits: no token can be chosen from them."""
+    """The model gave NaN or +inf logits (or only -inf): no token can be chosen from them."""
 
 
 def all_finite(logits: torch.Tensor) -> bool:
-    return bool(torch.isfinite(logits).all())
+    """Logits a token can be chosen from: no NaN, no +inf, and at least one finite value. -inf is
+    how a logits processor masks a token out (a forced or constrained token), so it is allowed."""
+    return not bool(torch.isnan(logits).any() or torch.isposinf(logits).any()) and bool(
+        torch.isfinite(logits).any())
 
 
 class Sampler:

@@ -184,7 +184,11 @@ class ChatService:
         """Run the job on the engine; cancelling this iterator cancels the generation."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        prepared.job.emit = lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        def emit(event: EngineEvent) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        prepared.job.emit = emit
         try:
             self.engine.submit(prepared.job)
         except QueueFull:

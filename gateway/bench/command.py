@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +135,7 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
 def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | None,
           workload: Workload) -> dict[str, Any]:
     return {
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "toolkv " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
         "base_url": base_url, "spawned": bool(args.spawn), "model": served, "run_id": workload.run_id,
         "options": {**dataclasses.asdict(plan), "max_tokens": workload.max_tokens,
@@ -146,7 +146,8 @@ def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | Non
 
 
 async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
-                  client: BenchClient, workload: Workload, console: Console) -> tuple[dict[int, FloorResult], str | None]:
+                  client: BenchClient, workload: Workload,
+                  console: Console) -> tuple[dict[int, FloorResult], str | None]:
     """The floor per group size, each timing paired with an HTTP hit; or why it was skipped."""
     if args.no_floor:
         return {}, "disabled with --no-floor"
@@ -160,7 +161,7 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
             probe = await asyncio.to_thread(FloorProbe, settings)
             measured = [await measure_floor(probe, client, workload, workload.group(label, n),
                                             3 if args.quick else FLOOR_QUESTIONS) for label, n in groups.items()]
-    except Exception as exc:  # noqa: BLE001 - the floor is an extra: never lose the HTTP results to it
+    except Exception as exc:
         return {}, f"{type(exc).__name__}: {exc}"
     finally:
         if probe is not None:

@@ -186,7 +186,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     if "interleaved" in s and not s["interleaved"].get("skipped"):
         i = s["interleaved"]
-        lines.append(f"interleaved {i['order']}: {' '.join(i['sequence'])} -> every repeat hit: {i['every_repeat_hit']}")
+        sequence = " ".join(i["sequence"])
+        lines.append(f"interleaved {i['order']}: {sequence} -> every repeat hit: {i['every_repeat_hit']}")
     if "restart" in s and not s["restart"].get("skipped"):
         r = s["restart"]
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "
@@ -202,7 +203,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"floor: skipped ({report['floor']['skipped']})")
     for tools, f in report["floor"]["by_tools"].items():
         lines.append(f"cross-check, the floor in the bench's own process, {tools} tools ({f['prefix_tokens']} + "
-                     f"{f['suffix_tokens']} tokens): restore + suffix prefill {f['floor_ms']['p50']} ms (restore {f['restore_ms']['p50']}); "
+                     f"{f['suffix_tokens']} tokens): restore + suffix prefill {f['floor_ms']['p50']} ms "
+                     f"(restore {f['restore_ms']['p50']}); "
                      f"engine hit prefill {f['engine_hit_prefill_ms']['p50']}; prepare {f['prepare_ms']['p50']}; "
                      f"paired HTTP hit TTFT {f['paired_http_hit_ttft_ms']['p50']} -> overhead "
                      f"{f['paired_overhead_ms']['p50']} ms (p50)")

@@ -53,7 +53,7 @@ class SpawnedServer:
             proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 await proc.wait()
         if self._log is not None:

@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 
-class GrowingLayer(DynamicLayer):
+class GrowingLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped to mypy
     def __init__(self, room_tokens: int = 256) -> None:
         super().__init__()
         self.room_tokens = room_tokens

@@ -35,7 +35,9 @@ def test_miss_hit_and_bypass_give_identical_greedy_tokens(runtime_for, merchant_
 def test_hit_reports_the_whole_tool_group_as_cached(runtime_for, merchant_tools, arch):
     runtime = runtime_for(arch)
     request = body(merchant_tools[:6])
-    prepared = runtime.service.prepare(__import__("gateway.protocol").protocol.ChatCompletionRequest.model_validate(request))
+    from gateway.protocol import ChatCompletionRequest
+
+    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))
     tokenizer = runtime.loaded.tokenizer
     prefix_text = tokenizer.decode(prepared.job.prompt_ids[: prepared.job.prefix_len])
     assert prefix_text.endswith("</tool_call><|im_end|>\n")  # the cut is at the end of the system turn
@@ -114,7 +116,7 @@ def test_stored_prefix_tensors_are_never_written_by_requests(runtime_for, mercha
     for question in ("one", "two", "three"):
         assert generate(runtime, body(merchant_tools[:4], question=question, max_tokens=40)).prefilled.result == "hit"
     after = [(layer.keys, layer.values) for layer in entry.layers]
-    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(before, after))
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(before, after, strict=False))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -78,7 +79,7 @@ def char_split(text: str) -> list[str]:
 def random_split(text: str, rng: random.Random) -> list[str]:
     cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 12))))
     bounds = [0, *cuts, len(text)]
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     if rng.random() < 0.3:  # engines sometimes send empty deltas
         chunks.insert(rng.randrange(len(chunks) + 1), "")
     return chunks
