@@ -169,3 +169,27 @@ def test_an_unexpected_error_is_a_counted_500_logged_with_its_request_id(live, c
     assert requests_counted(live, "500", "unknown") == before + 1
     logged = [r for r in caplog.records if getattr(r, "toolkv", {}).get("status") == 500]
     assert logged and logged[0].toolkv["request_id"].startswith("chatcmpl-")
+
+
+def test_one_tenant_cannot_time_another_tenants_system_prompt_and_tools(live, merchant_tools):
+    """The tokenizer's remembered group heads (what makes a known group's prepare faster, visible in
+    Server-Timing and in how fast a 400 comes back) are per tenant: B's first sight of a group A sent
+    is as slow as if nobody had sent it. A rejected request (max_tokens over the context) leaves
+    nothing behind either."""
+    tokens = live.app.state.runtime.service.prompt_tokens
+    body = {"messages": [{"role": "system", "content": "Tenant A's secret prompt."},
+                         {"role": "user", "content": "hi"}],
+            "tools": merchant_tools[:3], "tool_choice": "none", "max_tokens": 2, "temperature": 0}
+    salt_a, salt_b = _salt(live, KEYS[0]), _salt(live, KEYS[1])
+    ok = httpx.post(live.api_url + "/chat/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert ok.status_code == 200
+    assert len(tokens.remembered(salt_a)) == 1
+    assert tokens.remembered(salt_b) == []
+    split_before = tokens.split_uses
+    probe = httpx.post(live.api_url + "/chat/completions", json=dict(body, max_tokens=10**6),
+                       headers=auth(KEYS[1]), timeout=60)
+    assert probe.status_code == 400 and probe.json()["error"]["code"] == "context_length_exceeded"
+    assert tokens.split_uses == split_before  # B's probe did not take A's fast path
+    assert tokens.remembered(salt_b) == []  # and, rejected, it left nothing behind
+    again = httpx.post(live.api_url + "/chat/completions", json=body, headers=auth(KEYS[0]), timeout=60)
+    assert again.status_code == 200 and tokens.split_uses == split_before + 1  # A's own fast path
