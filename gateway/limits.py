@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from itertools import repeat
 from typing import Any
 
 import orjson
@@ -15,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import KeyRing
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.protocol import ChatCompletionRequest
 from gateway.settings import Settings
 
@@ -88,13 +88,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-MAX_JSON_DEPTH = 64  # a request body, or a tool call's arguments text, nests at most this deep
+MAX_JSON_DEPTH = MAX_DOCUMENT_DEPTH  # a request body, or a tool call's arguments text, nests at most this deep
 
 
 def check_json_depth(data: Any, limit: int = MAX_JSON_DEPTH, param: str | None = None) -> None:
     """400 for JSON nested deeper than `limit`: walked iteratively, before any recursive
     validator or serializer (pydantic, orjson, json, the chat template) sees it."""
-    if _depth(data, limit) > limit:
+    if nesting_depth(data, limit) > limit:
         where = f"'{param}'" if param else "the request body"
         raise BadRequest(f"{where} nests deeper than {limit} levels", param=param)
 
@@ -119,7 +119,7 @@ def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None
         raise BadRequest(f"{len(tools)} tools; the limit is {settings.max_tools}", param="tools")
     for index, tool in enumerate(tools):
         params = tool.function.parameters or {}
-        if _depth(params, settings.max_schema_depth) > settings.max_schema_depth:
+        if nesting_depth(params, settings.max_schema_depth) > settings.max_schema_depth:
             raise BadRequest(f"the parameters schema of tool '{tool.function.name}' nests deeper than "
                              f"{settings.max_schema_depth} levels", param=f"tools[{index}].function.parameters")
         size = len(orjson.dumps(tool.model_dump(exclude_none=True)))
@@ -131,20 +131,3 @@ def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None
             if isinstance(call.function.arguments, str):
                 check_arguments_text(call.function.arguments,
                                      f"messages[{m_index}].tool_calls[{c_index}].function.arguments")
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth, walked without recursion (a hostile schema cannot exhaust the stack) and
-    given up as soon as it passes `limit`."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                break
-        if isinstance(item, dict):
-            stack.extend(zip(item.values(), repeat(depth + 1)))
-        elif isinstance(item, list):
-            stack.extend(zip(item, repeat(depth + 1)))
-    return deepest
