@@ -142,3 +142,60 @@ def test_a_fresh_unlocked_temp_file_is_left_to_its_writer(tmp_path: Path) -> Non
     tier.kv_dir.mkdir(parents=True)
     (tier.kv_dir / ".tmp-toolkv-new").write_bytes(b"z")
     assert tier.sweep_stale_temps() == 0 and tier.sweep_stale_temps(max_age_s=0) == 1
+
+
+_FUZZ_SPECIAL_FILES = """
+import os, socket, sys
+from pathlib import Path
+from hypothesis import HealthCheck, given, settings, strategies as st
+from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.store import PrefixStore
+from tests.cache.entries import disk, make_entry
+
+KINDS = ["fifo", "dir", "socket", "link-dev-zero", "link-loop", "link-missing", "empty", "bytes", "truncated"]
+root = Path(sys.argv[1])
+counter = iter(range(10**6))
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(KINDS), junk=st.binary(max_size=4096), where=st.sampled_from(["entry", "temp"]))
+def planted(kind, junk, where):
+    base = root / f"run{next(counter)}"
+    tier, entry = disk(base), make_entry(list(range(100, 140)))
+    tier.kv_dir.mkdir(parents=True)
+    target = tier.path_for(entry.key.digest) if where == "entry" else tier.kv_dir / ".tmp-toolkv-planted"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dir":
+        target.mkdir()
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        os.chdir(target.parent)  # a socket path is limited to ~100 bytes: bind the bare name
+        sock.bind(target.name)
+    elif kind.startswith("link"):
+        target.symlink_to({"link-dev-zero": "/dev/zero", "link-loop": str(target),
+                           "link-missing": str(base / "nowhere")}[kind])
+    elif kind == "truncated":
+        disk(base / "src").save(entry)
+        whole = disk(base / "src").path_for(entry.key.digest).read_bytes()
+        target.write_bytes(whole[: max(1, len(junk) % len(whole))])
+    else:
+        target.write_bytes(junk if kind == "bytes" else b"")
+    store = PrefixStore(RamTier(1 << 30), tier)
+    assert store.lookup(entry.key) is None  # a miss, never an exception or a freeze
+    tier.usage(), tier.records(), tier.sweep_stale_temps()
+    tier.save(entry)  # and the real entry can still be written and read back
+    assert store.lookup(entry.key) is not None or where == "entry" and kind in ("dir",)
+
+planted()
+print("ok")
+"""
+
+
+def test_fuzzed_special_and_junk_files_are_misses_never_errors_or_freezes(tmp_path: Path) -> None:
+    """Hypothesis plants FIFOs, sockets, directories, symlinks (to /dev/zero, to themselves, to
+    nothing), junk and truncated entries under an entry's name or a temp name: every lookup is a
+    miss, never an exception or a freeze (in a child process, so a freeze fails the test)."""
+    out = subprocess.run([sys.executable, "-c", _FUZZ_SPECIAL_FILES, str(tmp_path)], cwd=ROOT, text=True,
+                         capture_output=True, timeout=300, env={**os.environ, "HYPOTHESIS_NO_PLUGINS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
