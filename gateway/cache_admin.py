@@ -69,7 +69,7 @@ def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
     _check_tools(tools, request.system, max_tools)
     messages = ([ChatMessage(role="system", content=request.system)] if request.system is not None else [])
     rendered = service.renderer.render([*messages, _PLACEHOLDER_TURN], tools)
-    ids, prefix_len = service._tokenize(rendered.text, rendered.prefix_chars, "")
+    ids, prefix_len = service.tokenize(rendered.text, rendered.prefix_chars)
     _check_prefix_len(prefix_len, service.engine.min_prefix_tokens, service.context_len)
     return WarmPlan(service.engine.key_for(ids[:prefix_len]), rendered.group)
 

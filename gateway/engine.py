@@ -207,7 +207,7 @@ class Engine:
             cache = self.restore(entry, room_tokens=job.params.max_tokens + 1)
             forward_started = time.perf_counter()
             restore_s = forward_started - restore_started
-            logits = self._forward(job.prompt_ids[job.prefix_len :], cache)
+            logits = self.forward(job.prompt_ids[job.prefix_len :], cache)
             forward_s = time.perf_counter() - forward_started
         finally:
             self.store.unlock(entry)
@@ -223,7 +223,7 @@ class Engine:
                        queued_s: float) -> tuple[torch.Tensor, Any, Prefilled]:
         cache = self.new_cache(room_tokens=job.params.max_tokens + 1)
         forward_started = time.perf_counter()
-        logits = self._forward(job.prompt_ids, cache)
+        logits = self.forward(job.prompt_ids, cache)
         if not all_finite(logits):
             raise NonFiniteLogits("the model gave non-finite logits on a plain prefill")
         done = time.perf_counter()
@@ -235,7 +235,7 @@ class Engine:
         started = time.perf_counter()
         log.info("compiling tool group %s: %d prefix tokens", group_id or "-", len(key.token_ids))
         cache = self.new_cache(room_tokens=spare_room(len(key.token_ids)))
-        self._forward(list(key.token_ids), cache)
+        self.forward(list(key.token_ids), cache)
         layers = tuple(
             LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None),
                     *(layer.room() if isinstance(layer, GrowingLayer) else (None, None)))
@@ -275,7 +275,9 @@ class Engine:
                 layer.cumulative_length = stored.cumulative_length
         return cache
 
-    def _forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
+    def forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
+        """The model over `token_ids` after what `cache` holds (which it extends); the last
+        position's logits. Engine thread only (the bench's floor probe calls it on its own engine)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits: torch.Tensor = out.logits[0, -1]
@@ -301,7 +303,7 @@ class Engine:
                 job.emit(Finished("stop", count, tuple(stream.token_ids)))
                 return
             if count < job.params.max_tokens:
-                logits = self._forward([token], cache)
+                logits = self.forward([token], cache)
         self._finish(job, stream, "length", job.params.max_tokens)
 
     def _finish(self, job: Job, stream: TextStream, reason: Literal["stop", "length"], count: int) -> None:

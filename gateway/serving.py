@@ -154,13 +154,10 @@ class ChatService:
             return ForcedCall(self.family.call_text(name), complete=True)
         return ForcedCall(self.family.call_opening(name))
 
-    def _tokenize(self, text: str, prefix_chars: int, opening: str) -> tuple[list[int], int]:
-        """The prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the prefix,
-        in the shared namespace (warming fills the shared namespace)."""
-        ids, prefix_len = self.prompt_tokens.encode(text, prefix_chars)
-        if opening:
-            ids += self.tokenizer(opening, add_special_tokens=False)["input_ids"]
-        return ids, prefix_len
+    def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
+        """A rendered prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the
+        tool group, in the shared namespace (what warming fills)."""
+        return self.prompt_tokens.encode(text, prefix_chars)
 
     def _sampling(self, req: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
         room = self.context_len - prompt_len

@@ -134,7 +134,7 @@ def _time_hit(engine: Any, entry: Any, job: Any) -> tuple[float, float]:
     started = time.perf_counter()
     cache = engine.restore(entry)
     restored = _ms_since(started)
-    engine._forward(job.prompt_ids[job.prefix_len :], cache)  # the hit path's own suffix prefill
+    engine.forward(job.prompt_ids[job.prefix_len :], cache)  # the hit path's own suffix prefill
     return restored, _ms_since(started)
 
 
