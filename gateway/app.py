@@ -131,35 +131,42 @@ def _install_routes(app: FastAPI) -> None:
         body = await request.body()  # already bounded by BodySizeLimit, after the key was checked
         bypass = request.headers.get(BYPASS_HEADER, "").lower() == "bypass"
         release = state.quota.acquire(tenant.salt) if not state.keyring.open else _nothing
+        handed_off = False  # a started stream gives its quota slot back when it ends
         try:
             req, prepared = await state.preparer.run(lambda: _prepare(
                 body, runtime, state, tenant, bypass=bypass, received=received, request_id=request_id))
-            in_flight = state.metrics.in_flight
             if not req.stream:
-                with in_flight.track_inprogress():
-                    body_or_gone = await _unless_disconnected(request, runtime.service.complete(prepared))
-            else:
-                chunks = runtime.service.stream(prepared, req.include_usage)
-                # errors before the first byte become plain HTTP errors; a client that leaves while
-                # its stream is queued cancels it too
-                first_or_gone = await _unless_disconnected(request, anext(chunks))
-        except BaseException:
-            release()
-            raise
-        if not req.stream:
-            release()
-            if body_or_gone is _GONE:
-                runtime.service.record_disconnect(prepared, stream=False)
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(body_or_gone, headers=prepared.response_headers())
-        if first_or_gone is _GONE:
-            release()
-            return Response(status_code=CLIENT_CLOSED_REQUEST)  # the stream recorded its own 499
-        first = first_or_gone
-        grace_s = state.settings.shutdown_grace_s  # streams in flight finish on SIGTERM
-        events = _sse(first, chunks, state.metrics, request_id)
-        return EventSourceResponse(_tracked(in_flight, events, release), sep="\n", ping=15,
-                                   headers=prepared.response_headers(), shutdown_grace_period=grace_s)
+                return await _whole(request, runtime, prepared)
+            response = await _streamed(request, runtime, prepared, req.include_usage, release)
+            handed_off = isinstance(response, EventSourceResponse)
+            return response
+        finally:
+            if not handed_off:
+                release()
+
+
+async def _whole(request: Request, runtime: Runtime, prepared: Prepared) -> Response:
+    with request.app.state.metrics.in_flight.track_inprogress():
+        body = await _unless_disconnected(request, runtime.service.complete(prepared))
+    if body is _GONE:
+        runtime.service.record_disconnect(prepared, stream=False)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(body, headers=prepared.response_headers())
+
+
+async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, include_usage: bool,
+                    release: Callable[[], None]) -> Response:
+    state = request.app.state
+    chunks = runtime.service.stream(prepared, include_usage)
+    # Errors before the first byte become plain HTTP errors; a client that leaves while its
+    # stream is still queued cancels it too (the stream records its own 499).
+    first = await _unless_disconnected(request, anext(chunks))
+    if first is _GONE:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    events = _sse(first, chunks, state.metrics, prepared.request_id)
+    return EventSourceResponse(_tracked(state.metrics.in_flight, events, release), sep="\n", ping=15,
+                               headers=prepared.response_headers(),
+                               shutdown_grace_period=state.settings.shutdown_grace_s)
 
 
 def _nothing() -> None:
