@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -77,14 +76,6 @@ class TenantQuota:
                         del self._held[tenant]
 
         return release
-
-    @contextmanager
-    def hold(self, tenant: str) -> Iterator[None]:
-        release = self.acquire(tenant)
-        try:
-            yield
-        finally:
-            release()
 
     def held(self, tenant: str) -> int:
         with self._lock:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.errors import APIError, MisdirectedRequest, UnsupportedMediaType, send_error
 from gateway.settings import Settings
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -42,18 +41,6 @@ HTML_HEADERS = ((b"content-security-policy", DASHBOARD_CSP.encode()), (b"x-frame
 EVERY_RESPONSE_HEADERS = ((b"x-content-type-options", b"nosniff"),)
 
 
-class UnsupportedMediaType(APIError):
-    status_code = 415
-    error_type = "invalid_request_error"
-    default_code = "unsupported_media_type"
-
-
-class MisdirectedRequest(APIError):
-    status_code = 421
-    error_type = "invalid_request_error"
-    default_code = "invalid_host"
-
-
 class BrowserGuard:
     """Pure ASGI middleware: JSON-only bodies on `/v1/`, the Host check on the open gateway, and
     security headers on the way out."""
@@ -71,7 +58,7 @@ class BrowserGuard:
             return
         error = self.refusal(scope)
         if error is not None:
-            await _answer(send, error)
+            await send_error(send, error, EVERY_RESPONSE_HEADERS)
             return
         await self.app(scope, receive, _with_security_headers(send))
 
@@ -153,11 +140,3 @@ def _with_security_headers(send: Send) -> Send:
         await send(message)
 
     return send_with_headers
-
-
-async def _answer(send: Send, error: APIError) -> None:
-    payload = orjson.dumps(error.envelope())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-               *EVERY_RESPONSE_HEADERS]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+import orjson
+from starlette.types import Send
 
 
 class APIError(Exception):
@@ -59,6 +63,18 @@ class RequestTimeout(APIError):
     default_code = "request_timeout"
 
 
+class UnsupportedMediaType(APIError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
+class MisdirectedRequest(APIError):
+    status_code = 421
+    error_type = "invalid_request_error"
+    default_code = "invalid_host"
+
+
 class PayloadTooLarge(APIError):
     status_code = 413
     error_type = "invalid_request_error"
@@ -93,3 +109,12 @@ def error_envelope(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+async def send_error(send: Send, error: APIError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with `error` from ASGI middleware, which runs outside FastAPI's exception handlers."""
+    payload = orjson.dumps(error.envelope())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in error.headers.items()), *extra_headers]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import KeyRing
-from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
 from gateway.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.protocol import ChatCompletionRequest
 from gateway.settings import Settings
@@ -39,11 +39,11 @@ class BodySizeLimit:
             try:
                 self.keyring.tenant(Request(scope))
             except APIError as exc:
-                await _answer(send, exc)
+                await send_error(send, exc)
                 return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit_bytes:
-            await _answer(send, self._too_large())
+            await send_error(send, self._too_large())
             return
         body, more = bytearray(), True
         deadline = time.monotonic() + self.read_timeout_s
@@ -51,7 +51,7 @@ class BodySizeLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                await _answer(send, RequestTimeout(
+                await send_error(send, RequestTimeout(
                     f"the request body did not arrive within {self.read_timeout_s:g} s"))
                 return
             if message["type"] == "http.disconnect":
@@ -59,20 +59,12 @@ class BodySizeLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit_bytes:
-                await _answer(send, self._too_large())
+                await send_error(send, self._too_large())
                 return
         await self.app(scope, _replay(bytes(body), receive), send)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"the request body is larger than the limit of {self.limit_bytes} bytes")
-
-
-async def _answer(send: Send, error: APIError) -> None:
-    payload = orjson.dumps(error.envelope())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -88,10 +80,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-MAX_JSON_DEPTH = MAX_DOCUMENT_DEPTH  # a request body, or a tool call's arguments text, nests at most this deep
-
-
-def check_json_depth(data: Any, limit: int = MAX_JSON_DEPTH, param: str | None = None) -> None:
+def check_json_depth(data: Any, limit: int = MAX_DOCUMENT_DEPTH, param: str | None = None) -> None:
     """400 for JSON nested deeper than `limit`: walked iteratively, before any recursive
     validator or serializer (pydantic, orjson, json, the chat template) sees it."""
     if nesting_depth(data, limit) > limit:
@@ -99,7 +88,7 @@ def check_json_depth(data: Any, limit: int = MAX_JSON_DEPTH, param: str | None =
         raise BadRequest(f"{where} nests deeper than {limit} levels", param=param)
 
 
-def check_arguments_text(text: str, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+def check_arguments_text(text: str, param: str, limit: int = MAX_DOCUMENT_DEPTH) -> None:
     """A tool call's `arguments` is JSON text that the chat template parses again: bound its depth
     (orjson stops at 1,024 levels by itself, with an error that says so)."""
     try:

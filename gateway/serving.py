@@ -88,12 +88,12 @@ class ChatService:
 
     # ---- preparing -------------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, salt: str = "",
-                received: float | None = None, *, salt_for: Callable[[str], str] | None = None,
-                request_id: str | None = None) -> Prepared:
+    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, received: float | None = None, *,
+                salt_for: Callable[[str], str] | None = None, request_id: str | None = None) -> Prepared:
         """The engine job for `req`; `received` is when the request arrived (perf_counter).
 
-        `salt_for(group_id)` gives the tenant's cache salt for the group (default: `salt`). It also
+        `salt_for(group_id)` gives the tenant's cache salt for the group (default: the shared
+        namespace, ""). It also
         namespaces the tokenizer's remembered heads, so tenants never share prepare-time state.
         Blocking (render + tokenize): call it off the event loop."""
         received = time.perf_counter() if received is None else received
@@ -104,7 +104,7 @@ class ChatService:
         _check_tool_choice(req)
         rendered = self._render(messages, tools)
         group_id = rendered.group.group_id  # a hash of the whole group: computed once
-        salt = salt_for(group_id) if salt_for is not None else salt
+        salt = salt_for(group_id) if salt_for is not None else ""
         forced = self._forced_call(req, tools)
         ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, salt)
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix

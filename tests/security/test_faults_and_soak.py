@@ -9,20 +9,8 @@ import time
 
 import httpx
 import psutil
-import pytest
-
-from gateway.settings import load_settings
-from tests.support.server import serve
 
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory):
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
-                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
-    with serve(settings) as server:
-        yield server
 
 
 class ExplodingModel:

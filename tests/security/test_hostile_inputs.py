@@ -10,19 +10,8 @@ import time
 import httpx
 import pytest
 
-from gateway.settings import load_settings
-from tests.support.server import serve
-
 SYSTEM = {"role": "system", "content": "You are a merchant assistant."}
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory):
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
-                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
-    with serve(settings) as server:
-        yield server
 
 
 def post(live, payload, **kwargs):
