@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.kvcache.entry import CacheEntry, LayerKV, spare_room
 from gateway.kvcache.growing import GrowingLayer
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
@@ -113,6 +114,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self.busy = False
         self.num_cancelled = 0  # generations stopped because their client went away
+        self._steps = StepLog()
+        self._num_steps = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -143,6 +146,15 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         return self._jobs.qsize()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=int(self.busy), waiting=self._jobs.qsize(), kv_blocks_total=0,
+                           kv_blocks_used=0, kv_blocks_cached=0, kv_block_tokens=0, preemptions_total=0,
+                           prefix_queries_tokens_total=0, prefix_hits_tokens_total=0,
+                           steps_total=self._num_steps, cancelled_total=self.num_cancelled)
+
+    def drain_steps(self) -> list[StepRecord]:
+        return self._steps.drain()
 
     def key_for(self, prefix_ids: list[int], salt: str = "") -> PrefixKey:
         identity = self.identity if not salt else CacheIdentity(
