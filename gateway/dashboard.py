@@ -1,6 +1,7 @@
 """The live dashboard: the page at `/` and its assets, served from `gateway/static/` (no CDN), and
 `GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
-registry and the RAM tier; the serving layer knows nothing about the dashboard."""
+registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
+store's public listing; the serving layer knows nothing about the dashboard."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -19,6 +20,9 @@ from prometheus_client.metrics_core import Metric
 
 from gateway.errors import NotFound
 from gateway.metrics import Metrics
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -45,7 +49,7 @@ async def stats(request: Request) -> JSONResponse:
     keyring = getattr(app.state, "keyring", None)
     if keyring is not None:  # tool names of every tenant: admin only once keys are configured
         keyring.admin(request)
-    runtime = app.state.runtime
+    runtime: Runtime | None = app.state.runtime
     if runtime is not None:
         runtime.refresh_gauges()
     metrics: Metrics = app.state.metrics
@@ -53,8 +57,8 @@ async def stats(request: Request) -> JSONResponse:
     windows.sample(metrics.ttft, time.time())
     return JSONResponse({
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
-        "totals": totals(metrics), "ttft_windows": windows.to_json(),
-        "window_s": windows.window_s, "groups": ram_groups(runtime)})
+        "totals": totals(metrics), "engine": engine(metrics) if runtime is not None else None,
+        "ttft_windows": windows.to_json(), "window_s": windows.window_s, "groups": ram_groups(runtime)})
 
 
 def _asset(name: str) -> FileResponse:
@@ -107,19 +111,51 @@ def _value(families: Iterable[Metric], sample_name: str) -> float:
     return sum(_by_label(families, sample_name, "").values())
 
 
+# ---- engine ------------------------------------------------------------------------------------
+
+
+def engine(metrics: Metrics) -> dict[str, Any]:
+    """The engine as its series last saw it: sequences, steps, KV blocks, prefix cache in tokens."""
+    blocks = _by_label(metrics.kv_blocks.collect(), "toolkv_kv_blocks", "state")
+    queries = _value(metrics.prefix_queries.collect(), "vllm:prefix_cache_queries_total")
+    hits = _value(metrics.prefix_hits.collect(), "vllm:prefix_cache_hits_total")
+    view = metrics.engine
+    last = view.last_step
+    return {
+        "running": _value(metrics.running.collect(), "vllm:num_requests_running"),
+        "waiting": _value(metrics.waiting.collect(), "vllm:num_requests_waiting"),
+        "steps": _value(metrics.engine_steps.collect(), "toolkv_engine_steps_total"),
+        "batch_size": {"last": last.batch_size if last else None,
+                       "mean": _mean(metrics.batch_size.collect(), "toolkv_batch_size")},
+        "tokens_per_step": {"last": last.num_tokens if last else None,
+                            "mean": _mean(metrics.iteration_tokens.collect(), "vllm:iteration_tokens_total")},
+        "kv_blocks": {"total": view.kv_blocks_total, "used": blocks.get("used", 0.0),
+                      "free": blocks.get("free", 0.0), "cached": blocks.get("cached", 0.0),
+                      "block_tokens": view.kv_block_tokens},
+        "kv_usage": _value(metrics.kv_usage.collect(), "vllm:kv_cache_usage_perc"),
+        "preemptions": _value(metrics.preemptions.collect(), "vllm:num_preemptions_total"),
+        "prefix_cache": {"queries_tokens": queries, "hits_tokens": hits,
+                         "hit_rate": hits / queries if queries else None},
+    }
+
+
+def _mean(families: Iterable[Metric], histogram_name: str) -> float | None:
+    """A histogram's mean since start-up, None before its first observation."""
+    families = list(families)
+    count = _value(families, histogram_name + "_count")
+    return _value(families, histogram_name + "_sum") / count if count else None
+
+
 # ---- tool groups -------------------------------------------------------------------------------
 
 
-def ram_groups(runtime: Any) -> list[dict[str, Any]]:
+def ram_groups(runtime: Runtime | None) -> list[dict[str, Any]]:
     """Rows for the tool-group table, most recently used first. Only the RAM tier is listed."""
-    entries = getattr(getattr(getattr(runtime, "store", None), "ram", None), "entries", None)
-    if entries is None:
+    if runtime is None:
         return []
-    rows = [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
+    return [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
              "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram"}
-            for e in entries()]
-    rows.sort(key=lambda row: row["last_used_at"], reverse=True)
-    return rows[:MAX_GROUP_ROWS]
+            for e in runtime.store.ram_entries()[:MAX_GROUP_ROWS]]
 
 
 # ---- TTFT over time ----------------------------------------------------------------------------

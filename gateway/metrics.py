@@ -1,15 +1,32 @@
 """Prometheus metrics, one registry per app (no module-level state). Names follow Prometheus
-conventions: counters end in `_total`, units in names, bounded label values only."""
+conventions: counters end in `_total`, units in names, bounded label values only.
+
+The engine's own series carry vLLM's names, types, buckets and labels (`model_name`, `engine`), so
+dashboards and alerts written for vLLM read toolkv unchanged. Those names break two of promtool's
+lint rules, as vLLM's do: a `:` in the name, and `vllm:iteration_tokens_total` is a histogram."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # the engine package imports torch; metrics need only its report's shape
+    from gateway.engine.stats import EngineStats, StepRecord
 
 # The same buckets as vLLM's time_to_first_token_seconds, so dashboards line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# vLLM's vllm:iteration_tokens_total buckets (vllm/v1/metrics/loggers.py).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+VLLM_LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"  # one engine per gateway process
 
 
 class Metrics:
@@ -52,3 +69,87 @@ class Metrics:
         self.tool_parse_failures = Counter("toolkv_tool_call_parse_failures_total",
                                            "Model outputs that looked like tool calls but did not parse",
                                            registry=r)
+        # ---- the engine, under vLLM's names (see the module docstring) ----------------------
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             VLLM_LABELS, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             VLLM_LABELS, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                              VLLM_LABELS, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                   VLLM_LABELS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.",
+                                      VLLM_LABELS, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.",
+                                   VLLM_LABELS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", VLLM_LABELS,
+                                          buckets=ITERATION_TOKENS_BUCKETS, registry=r)
+        # ---- the engine, toolkv's own ---------------------------------------------------------
+        self.batch_size = Histogram("toolkv_batch_size", "Sequences advanced per engine step",
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.kv_blocks = Gauge("toolkv_kv_blocks",
+                               "KV blocks by state: used (held by sequences or cached prefixes), free, "
+                               "and cached (of the used, held only by cached prefixes: reclaimable)",
+                               ["state"], registry=r)
+        self.engine_steps = Counter("toolkv_engine_steps_total", "Engine steps since start", registry=r)
+        self.engine = EngineView()
+        self._engine_totals = TotalsTracker()
+        self._engine_lock = threading.Lock()
+
+    def observe_engine(self, stats: EngineStats, steps: Iterable[StepRecord], model_name: str) -> None:
+        """Record one look at the engine: gauges from the snapshot, counters advanced by what the
+        snapshot's totals grew since the previous look, one histogram observation per step."""
+        steps = list(steps)
+        labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+        with self._engine_lock:
+            self.running.labels(**labels).set(stats.running)
+            self.waiting.labels(**labels).set(stats.waiting)
+            self.kv_usage.labels(**labels).set(stats.kv_usage)
+            self.queue_depth.set(stats.waiting)
+            self.kv_blocks.labels(state="used").set(stats.kv_blocks_used)
+            self.kv_blocks.labels(state="free").set(max(0, stats.kv_blocks_total - stats.kv_blocks_used))
+            self.kv_blocks.labels(state="cached").set(stats.kv_blocks_cached)
+            grown = self._engine_totals.advance({
+                "preemptions": stats.preemptions_total, "queries": stats.prefix_queries_tokens_total,
+                "hits": stats.prefix_hits_tokens_total, "steps": stats.steps_total})
+            self.preemptions.labels(**labels).inc(grown["preemptions"])
+            self.prefix_queries.labels(**labels).inc(grown["queries"])
+            self.prefix_hits.labels(**labels).inc(grown["hits"])
+            self.engine_steps.inc(grown["steps"])
+            tokens = self.iteration_tokens.labels(**labels)
+            for step in steps:
+                tokens.observe(step.num_tokens)
+                self.batch_size.observe(step.batch_size)
+            self.engine = EngineView(kv_blocks_total=stats.kv_blocks_total,
+                                     kv_block_tokens=stats.kv_block_tokens,
+                                     last_step=steps[-1] if steps else self.engine.last_step)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the engine series cannot say and the dashboard shows: the pool's size, and the last
+    step seen (None before the first)."""
+
+    kv_blocks_total: int = 0
+    kv_block_tokens: int = 0
+    last_step: StepRecord | None = None
+
+
+class TotalsTracker:
+    """Turns snapshot totals (counts since the engine started) into increments for Prometheus
+    counters, which can only be increased. A total below the last one seen means the counting
+    restarted (a new engine): its whole value is new."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def advance(self, totals: dict[str, int]) -> dict[str, int]:
+        grown = {}
+        for name, total in totals.items():
+            last = self._last.get(name, 0)
+            grown[name] = total - last if total >= last else total
+            self._last[name] = total
+        return grown

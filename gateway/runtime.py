@@ -45,7 +45,7 @@ class Runtime:
             num_files, num_bytes = self.store.disk.usage()
             m.cache_entries.labels(tier="disk").set(num_files)
             m.cache_bytes.labels(tier="disk").set(num_bytes)
-        m.queue_depth.set(self.engine.queue_depth)
+        m.observe_engine(self.engine.stats(), self.engine.drain_steps(), self.model_name)  # and queue depth
         for (event, label), count in self.store.tally.drain().items():
             counter = m.evictions.labels(tier=label) if event == "eviction" else m.cache_errors.labels(kind=label)
             counter.inc(count)

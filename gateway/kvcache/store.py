@@ -118,6 +118,11 @@ class PrefixStore:
             merged[record.digest] = _disk_info(record) if held is None else _with_disk(held)
         return sorted(merged.values(), key=lambda info: info.last_used_at, reverse=True)
 
+    def ram_entries(self) -> list[EntryInfo]:
+        """The entries held in RAM, most recently used first; never touches the disk (cheap
+        enough for a dashboard that polls)."""
+        return [_ram_info(e) for e in reversed(self.ram.entries())]
+
     def remove(self, digest: str) -> bool:
         """Drop the entry from every tier (a pending disk write of it is cancelled)."""
         if self._writer is not None:

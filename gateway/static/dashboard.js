@@ -34,6 +34,7 @@
   const fmt = {
     pct: (x) => (x == null ? "—" : `${(100 * x).toFixed(1)}%`),
     int: (x) => (x == null ? "—" : Math.round(x).toLocaleString("en-US")),
+    mean: (x) => (x == null ? "—" : x.toFixed(1)),
     ms(x) {
       if (x == null || !isFinite(x)) return "—";
       if (x === 0) return "0 ms";
@@ -102,6 +103,7 @@
     $("model").textContent = `model: ${stats.model || "…"}`;
     $("updated").textContent = `updated ${fmt.clock(Date.now() / 1000)}`;
     renderTotals(stats.totals);
+    renderEngine(stats.engine);
     renderLatestTtft(stats.ttft_windows);
     renderChart(stats.ttft_windows, stats.window_s);
     renderGroups(stats.groups);
@@ -128,6 +130,44 @@
       const latest = windows.filter((w) => w[label]).pop();
       $(`ttft-${label}`).textContent = latest ? fmt.ms(latest[label].p50_ms) : "—";
     }
+  }
+
+  // ---- engine ----------------------------------------------------------------------------------
+
+  function renderEngine(e) {
+    const set = (id, text) => { $(id).textContent = text; };
+    if (!e) return;  // no engine before the model has loaded: the page's dashes stay
+    set("engine-running", fmt.int(e.running));
+    set("engine-waiting", fmt.int(e.waiting));
+    set("engine-steps", fmt.int(e.steps));
+    set("engine-batch-last", fmt.int(e.batch_size.last));
+    set("engine-batch-mean", fmt.mean(e.batch_size.mean));
+    set("engine-tokens-last", fmt.int(e.tokens_per_step.last));
+    set("engine-tokens-mean", fmt.mean(e.tokens_per_step.mean));
+    set("engine-preemptions", fmt.int(e.preemptions));
+    const prefix = e.prefix_cache;
+    set("engine-prefix-rate", fmt.pct(prefix.hit_rate));
+    set("engine-prefix-detail", prefix.queries_tokens
+      ? `${fmt.int(prefix.hits_tokens)} of ${fmt.int(prefix.queries_tokens)} tokens` : "no tokens looked up yet");
+    const kv = e.kv_blocks;
+    set("engine-kv-used", fmt.int(kv.used));
+    set("engine-kv-cached", fmt.int(kv.cached));
+    set("engine-kv-free", fmt.int(kv.free));
+    set("engine-kv-total", fmt.int(kv.total));
+    set("engine-kv-block-tokens", kv.block_tokens ? ` × ${plural(kv.block_tokens, "token")}` : "");
+    set("engine-kv-usage", fmt.pct(kv.total ? e.kv_usage : null));
+    renderKvBar(kv.total ? kv : null);
+  }
+
+  // Sequences' blocks, then cached prefixes' blocks; the rest of the bar is free.
+  function renderKvBar(kv) {
+    const share = (n) => (kv ? `${(100 * Math.min(Math.max(n / kv.total, 0), 1)).toFixed(2)}%` : "0%");
+    $("engine-kv-bar-seq").style.width = share(kv ? kv.used - kv.cached : 0);
+    $("engine-kv-bar-cached").style.width = share(kv ? kv.cached : 0);
+    $("engine-kv-bar").dataset.usage = kv ? String(kv.used / kv.total) : "";
+    $("engine-kv-bar").title = kv
+      ? `${fmt.int(kv.used - kv.cached)} blocks held by sequences, ${fmt.int(kv.cached)} by cached prefixes, ` +
+        `${fmt.int(kv.free)} free` : "no KV block pool reported";
   }
 
   // ---- chart -----------------------------------------------------------------------------------

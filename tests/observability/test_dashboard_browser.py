@@ -3,6 +3,7 @@ selenium): load `/`, send from the playground, and watch the numbers on the page
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,10 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT_S = 120.0
 INSTALL_HINT = "install it with `bash .ci/install-browser.sh` (Debian chromium, chromium-driver, selenium)"
+COUNT = re.compile(r"\d+")  # page texts have their thousands separators removed
+MEAN = re.compile(r"\d+\.\d")
+PERCENT = re.compile(r"\d+\.\d%")
+ENGINE_COUNTS = ("running", "waiting", "steps", "preemptions", "kv-used", "kv-free", "kv-cached", "kv-total")
 
 
 @pytest.fixture
@@ -50,6 +55,8 @@ def test_playground_request_changes_the_numbers_on_the_page(
     page.wait_for(lambda: page.attr("status", "data-status") == "ok" and page.text("requests-total") == "0")
     assert page.text("hit-rate") == "—"
     assert page.displayed("groups-empty")
+    page.wait_for(lambda: page.engine()["running"] == "0")
+    assert all(COUNT.fullmatch(page.engine()[name]) for name in ENGINE_COUNTS), page.engine()
 
     page.set_value("play-max-tokens", "4")
     page.send()
@@ -68,6 +75,44 @@ def test_playground_request_changes_the_numbers_on_the_page(
     row = page.group_row("get_weather")
     assert row["hits"] == "1" and row["tier"] == "ram" and int(row["tokens"]) > 0
     assert not page.displayed("groups-empty")
+
+    # the Engine panel: numbers, and nothing running or waiting once both runs are done
+    page.wait_for(lambda: page.engine()["running"] == "0" and page.engine()["waiting"] == "0")
+    engine = page.engine()
+    assert all(COUNT.fullmatch(engine[name]) for name in ENGINE_COUNTS), engine
+    assert int(engine["kv-used"]) >= int(engine["kv-cached"])
+    for name in ("batch-last", "tokens-last"):  # a dash only while the engine has reported no step
+        assert COUNT.fullmatch(engine[name]) or engine[name] == "—" == engine["tokens-last"], engine
+    for name in ("batch-mean", "tokens-mean"):
+        assert MEAN.fullmatch(engine[name]) or engine[name] == "—" == engine["tokens-last"], engine
+    assert PERCENT.fullmatch(engine["prefix-rate"]) or engine["prefix-rate"] == "—", engine
+
+
+def test_engine_panel_shows_steps_kv_blocks_and_prefix_hits(
+        browser: Any, start_gateway: Callable[..., LiveServer]) -> None:
+    """Needs the continuous-batching engine: it reports its steps, its KV block pool and its
+    prefix cache in tokens (the engine before it reported zeros)."""
+    server = start_gateway()
+    browser.get(server.base_url + "/")
+    page = Page(browser)
+    page.wait_for(lambda: page.attr("status", "data-status") == "ok")
+    page.set_value("play-max-tokens", "4")
+    page.send()  # a miss: the tool group's blocks are computed and kept
+    page.send()  # a hit on them
+    page.wait_for(lambda: page.text("requests-total") == "4" and page.engine()["running"] == "0")
+    engine = page.engine()
+    assert int(engine["steps"]) > 0, engine
+    assert int(engine["batch-last"]) >= 1 and int(engine["tokens-last"]) >= 1, engine
+    assert float(engine["batch-mean"]) >= 1 and float(engine["tokens-mean"]) >= 1, engine
+    assert PERCENT.fullmatch(engine["prefix-rate"]) and float(engine["prefix-rate"][:-1]) > 0, engine
+    assert int(engine["kv-total"]) == int(engine["kv-used"]) + int(engine["kv-free"]) > 0, engine
+    assert int(engine["kv-cached"]) > 0, engine  # the cached tool group holds blocks
+    assert PERCENT.fullmatch(engine["kv-usage"]), engine
+    bar = page.element("engine-kv-bar")
+    cached_px = page.element("engine-kv-bar-cached").size["width"]
+    assert 0 < cached_px < bar.size["width"], (cached_px, bar.size)
+    assert float(page.attr("engine-kv-bar", "data-usage")) == pytest.approx(
+        int(engine["kv-used"]) / int(engine["kv-total"]))
 
 
 class Page:
@@ -108,6 +153,12 @@ class Page:
             self.wait_for(lambda: self.attr(run, "data-state") in ("done", "error"))  # noqa: B023
             assert self.attr(run, "data-state") == "done", self.run_field(run, "answer")
         self.wait_for(lambda: self.element("play-send").is_enabled())
+
+    def engine(self) -> dict[str, str]:
+        """The Engine panel's texts by element id (without `engine-`), thousands separators removed."""
+        nodes = self.driver.find_elements(self.by.CSS_SELECTOR, "#engine [id^='engine-']")
+        return {str(n.get_attribute("id")).removeprefix("engine-"): str(n.text).strip().replace(",", "")
+                for n in nodes}
 
     def run_field(self, run: str, name: str) -> str:
         node = self.element(run).find_element(self.by.CSS_SELECTOR, f'[data-field="{name}"]')

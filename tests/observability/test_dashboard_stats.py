@@ -12,7 +12,7 @@ import pytest
 
 from gateway.dashboard import STATIC_DIR, TtftWindows, quantile
 from gateway.metrics import Metrics
-from tests.observability.traffic import Exercised
+from tests.observability.traffic import Exercised, scrape
 from tests.support.server import LiveServer
 
 
@@ -72,6 +72,48 @@ def test_stats_report_hit_rate_tokens_and_the_cached_tool_group(exercised: Exerc
     assert sorted(group["tool_names"]) == ["get_time", "get_weather"]
     assert group["hits"] == 1 and group["tier"] == "ram"
     assert group["num_tokens"] == totals["cached_tokens"] and group["num_bytes"] == totals["cache_bytes"]["ram"]
+
+
+def test_stats_report_the_engine_as_its_metrics_do(exercised: Exercised) -> None:
+    engine = _stats(exercised)["engine"]
+    _, families = scrape(exercised.server)  # the gateway is idle: nothing changes in between
+
+    def metric(name: str, **labels: str) -> float:
+        return sum(s.value for f in families.values() for s in f.samples
+                   if s.name == name and labels.items() <= s.labels.items())
+
+    assert engine["running"] == metric("vllm:num_requests_running")
+    assert engine["waiting"] == metric("vllm:num_requests_waiting")
+    assert engine["steps"] == metric("toolkv_engine_steps_total")
+    assert engine["preemptions"] == metric("vllm:num_preemptions_total")
+    assert engine["kv_usage"] == metric("vllm:kv_cache_usage_perc")
+    kv = engine["kv_blocks"]
+    for state in ("used", "free", "cached"):
+        assert kv[state] == metric("toolkv_kv_blocks", state=state), state
+    assert kv["total"] == kv["used"] + kv["free"]
+    prefix = engine["prefix_cache"]
+    assert prefix["queries_tokens"] == metric("vllm:prefix_cache_queries_total")
+    assert prefix["hits_tokens"] == metric("vllm:prefix_cache_hits_total")
+    queries = prefix["queries_tokens"]
+    assert prefix["hit_rate"] == (prefix["hits_tokens"] / queries if queries else None)
+    steps = metric("vllm:iteration_tokens_total_count")
+    for key, histogram in (("tokens_per_step", "vllm:iteration_tokens_total"), ("batch_size", "toolkv_batch_size")):
+        mean = metric(histogram + "_sum") / steps if steps else None
+        assert engine[key]["mean"] == (pytest.approx(mean) if mean is not None else None), key
+        assert (engine[key]["last"] is None) == (steps == 0), key
+
+
+def test_stats_have_no_engine_before_the_model_has_loaded() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from gateway import dashboard
+
+    app = FastAPI()
+    app.include_router(dashboard.router)
+    app.state.metrics, app.state.runtime, app.state.load_error = Metrics(), None, None
+    body = TestClient(app).get("/v1/dashboard/stats").json()
+    assert body["status"] == "loading" and body["engine"] is None and body["groups"] == []
 
 
 def test_stats_chart_a_ttft_point_for_hits_and_misses(exercised: Exercised) -> None:

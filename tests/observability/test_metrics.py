@@ -1,10 +1,12 @@
 """What a Prometheus server scrapes from a real gateway after real requests: every family with its
-type and labels, counters named `*_total`, vLLM's TTFT buckets, bounded label values, and counts
-that agree with what the clients were told."""
+type and labels, counters named `*_total`, vLLM's TTFT buckets, bounded label values, counts that
+agree with what the clients were told, and an exposition promtool accepts."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -34,13 +36,31 @@ EXPECTED_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "toolkv_requests_in_flight": ("gauge", set()),
     "toolkv_model_loaded": ("gauge", set()),
     "toolkv_tool_call_parse_failures": ("counter", set()),
+    "toolkv_batch_size": ("histogram", set()),
+    "toolkv_kv_blocks": ("gauge", {"state"}),
+    "toolkv_engine_steps": ("counter", set()),
+    # the engine under vLLM's names, with vLLM's labels
+    "vllm:num_requests_running": ("gauge", {"model_name", "engine"}),
+    "vllm:num_requests_waiting": ("gauge", {"model_name", "engine"}),
+    "vllm:kv_cache_usage_perc": ("gauge", {"model_name", "engine"}),
+    "vllm:num_preemptions": ("counter", {"model_name", "engine"}),
+    "vllm:prefix_cache_queries": ("counter", {"model_name", "engine"}),
+    "vllm:prefix_cache_hits": ("counter", {"model_name", "engine"}),
+    "vllm:iteration_tokens_total": ("histogram", {"model_name", "engine"}),
 }
+# Histograms of counts (sequences per step) have no unit to carry.
+UNITLESS_HISTOGRAMS = {"toolkv_batch_size"}
+# vLLM's names break two of promtool's lint rules; toolkv keeps them so vLLM's dashboards work.
+VLLM_LINT_PROBLEMS = {"metric names should not contain ':'",
+                      'non-counter metrics should not have "_total" suffix'}
 
 BOUNDED_LABEL_VALUES = {
     "cache": {"hit", "miss", "bypass", "skip"},
     "result": {"hit", "miss", "bypass", "skip"},
     "tier": {"ram", "disk", "none"},
     "stream": {"true", "false"},
+    "state": {"used", "free", "cached"},
+    "engine": {"0"},
 }
 
 
@@ -72,7 +92,7 @@ def test_counters_are_named_total_and_histograms_carry_their_unit(exercised: Exe
     for name, kind in toolkv.items():
         if kind == "counter":
             assert name.endswith("_total"), name
-        if kind == "histogram":
+        if kind == "histogram" and name not in UNITLESS_HISTOGRAMS:
             assert name.endswith("_seconds"), name
 
 
@@ -123,3 +143,18 @@ def test_cache_gauges_show_the_stored_prefix_and_the_model_as_ready(exercised: E
     assert _value(exercised, "toolkv_model_loaded") == 1
     assert _value(exercised, "toolkv_prefix_compile_seconds") == 1
     assert _value(exercised, "toolkv_prefix_restore_seconds") == 1
+
+
+def test_promtool_accepts_the_exposition(exercised: Exercised) -> None:
+    """`promtool check metrics` parses the scrape; its only complaints are the two rules vLLM's
+    names break, and only about vllm: series."""
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is missing: install it with `bash .ci/install-promtool.sh`")
+    text, _ = scrape(exercised.server)
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                            timeout=120, check=False)
+    problems = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode in (0, 3), problems  # 3: lint problems only, the text parsed
+    for line in problems:
+        name, _, problem = line.partition(" ")
+        assert name.startswith("vllm:") and problem in VLLM_LINT_PROBLEMS, line
