@@ -68,11 +68,14 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     tokenizer = loaded.tokenizer
     family = (get_family(settings.adapter) if settings.adapter != "auto" else
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
+    # The prefill chunk size decides a group's KV bits (see gateway/engine/model_runner.py).
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
-                             f"{family.name}-{ADAPTER_VERSION}")
+                             f"{family.name}-{ADAPTER_VERSION}-chunk{settings.prefill_chunk_tokens}")
     store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
     engine = Engine(loaded.model, tokenizer, store, identity, min_prefix_tokens=settings.min_prefix_tokens,
-                    max_queue=settings.max_queue, device=loaded.device)
+                    max_queue=settings.max_queue, device=loaded.device, pool_bytes=settings.ram_budget_bytes,
+                    block_tokens=settings.kv_block_tokens, chunk_tokens=settings.prefill_chunk_tokens,
+                    max_batch=settings.max_batch)
     engine.start()
     service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens)

@@ -16,7 +16,7 @@ from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart, get_parser
 from gateway import protocol
-from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta
+from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
 from gateway.prompt_tokens import PromptTokenizer
@@ -191,6 +191,9 @@ class ChatService:
         except QueueFull:
             raise Overloaded("the server is busy: too many requests are queued; retry shortly",
                              headers={"Retry-After": "1"}) from None
+        except TooLarge as exc:  # no Retry-After: it will not fit later either
+            raise Overloaded(f"{exc}; send a shorter prompt or a lower max_tokens, or raise "
+                             "ram_budget_bytes") from None
         try:
             while True:
                 event = await inbox.get()

@@ -44,12 +44,15 @@ class Settings(BaseModel):
 
     # generation
     default_max_tokens: int = Field(512, ge=1)
-    max_queue: int = Field(64, ge=1)
+    max_queue: int = Field(64, ge=1)  # requests waiting for the engine, beyond the running batch
+    max_batch: int = Field(8, ge=1)  # sequences the engine runs at once (continuous batching)
+    prefill_chunk_tokens: int = Field(128, ge=16)  # prompt tokens a step computes beside the decodes
+    kv_block_tokens: int = Field(16, ge=1)  # tokens per block of the KV pool
 
     # cache
     cache: Literal["on", "off"] = "on"
     cache_dir: Path = Path("~/.cache/toolkv")
-    ram_budget_bytes: int = Field(2 * 1024**3, ge=0)
+    ram_budget_bytes: int = Field(2 * 1024**3, ge=0)  # the KV block pool: running requests and cached groups
     disk_budget_bytes: int = Field(20 * 1024**3, ge=0)
     min_prefix_tokens: int = Field(64, ge=1)
 

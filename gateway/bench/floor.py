@@ -131,11 +131,10 @@ async def _http_hit(client: BenchClient, workload: Workload, group: ToolGroup) -
 
 
 def _time_hit(engine: Any, entry: Any, job: Any) -> tuple[float, float]:
+    """A hit restores nothing (it reads the group's blocks in place): restore is 0."""
     started = time.perf_counter()
-    cache = engine.restore(entry)
-    restored = _ms_since(started)
-    engine.forward(job.prompt_ids[job.prefix_len :], cache)  # the hit path's own suffix prefill
-    return restored, _ms_since(started)
+    engine.prefill_over(entry, job.prompt_ids[job.prefix_len :])  # the hit path's own suffix prefill
+    return 0.0, _ms_since(started)
 
 
 def _ms_since(started: float) -> float:

@@ -1,8 +1,8 @@
 """The engine: sequences, KV block pool, scheduler, model runner and the step loop."""
 
-from gateway.engine.core import (
+from gateway.engine.core import Engine
+from gateway.engine.events import (
     CacheResult,
-    Engine,
     EngineEvent,
     Failed,
     Finished,
@@ -10,8 +10,9 @@ from gateway.engine.core import (
     Prefilled,
     QueueFull,
     TextDelta,
+    TooLarge,
 )
 from gateway.engine.stats import EngineStats, StepRecord
 
 __all__ = ["CacheResult", "Engine", "EngineEvent", "EngineStats", "Failed", "Finished", "Job", "Prefilled",
-           "QueueFull", "StepRecord", "TextDelta"]
+           "QueueFull", "StepRecord", "TextDelta", "TooLarge"]

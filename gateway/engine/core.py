@@ -1,11 +1,22 @@
-"""The engine: the one owner of the model and the prefix store. A worker thread takes jobs from a
-bounded queue, so the event loop never blocks on torch.
+"""The engine: the one owner of the model, the KV block pool and the prefix store. Requests are
+served by continuous batching on one worker thread, so the event loop never blocks on torch.
 
-Per job: look the prefix up (RAM, then compute); a miss computes the prefix KV once, stores it,
-and then runs exactly the hit path, so a hit and a miss produce bitwise-identical output. A
-bypass runs a plain full prefill. A cached prefix whose logits come out NaN or infinite (a
-poisoned file passes its checksum when its writer had write access) is dropped and the request
-recomputed with a plain prefill; only a model that gives non-finite logits by itself fails.
+The step loop (`_run`), in order:
+1. take new work: jobs wait in a bounded queue (429 past `max_queue`); tasks run between steps;
+2. admit jobs while fewer than `max_batch` sequences run: look the tool group up (RAM, disk),
+   reserve blocks for the rest (evicting unused cached groups if the pool is full; a job that does
+   not fit yet waits, one that never can is refused at submit);
+3. drop sequences whose client went away, freeing their blocks at once;
+4. run one step: one batched forward over every decoding sequence's next token, and prompt chunks
+   within the step's token budget (scheduler.py);
+5. sample per sequence, emit its text, and finish sequences that are done.
+
+A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
+sequences' steps) and stores them; a bypass computes them privately. All three run the same
+operations on the same numbers, so their output is identical (model_runner.py says why). A cached
+group whose logits come out NaN or infinite (a poisoned file passes its checksum when its writer
+had write access) is dropped and the request recomputed; only a model that gives non-finite
+logits by itself fails.
 """
 
 from __future__ import annotations
@@ -16,145 +27,139 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from gateway.engine.block_pool import BlockPool, BlockRun, PoolShape
+from gateway.engine.events import (
+    CacheResult,
+    EngineEvent,
+    Failed,
+    Finished,
+    Job,
+    Prefilled,
+    QueueFull,
+    Task,
+    TextDelta,
+    TooLarge,
+)
+from gateway.engine.model_runner import ModelRunner, RowKV
+from gateway.engine.scheduler import Scheduler, StepPlan
+from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
-from gateway.kvcache.entry import CacheEntry, LayerKV, spare_room
-from gateway.kvcache.growing import GrowingLayer
+from gateway.kvcache.entry import CacheEntry, LayerKV
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
-from gateway.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
+from gateway.sampling import Sampler, TextStream, all_finite
 
 log = logging.getLogger(__name__)
 
-CacheResult = Literal["hit", "miss", "bypass", "skip"]
 FIRST_TOKEN_HANDOFF_S = 0.05
+_IDLE_WAIT_S = 0.05  # a held job with nothing running re-checks the pool this often
+
+__all__ = ["CacheResult", "Engine", "EngineEvent", "Failed", "Finished", "Job", "Prefilled", "QueueFull",
+           "TextDelta", "TooLarge"]
 
 
-@dataclass(frozen=True, slots=True)
-class Prefilled:
-    prompt_tokens: int
-    cached_tokens: int
-    result: CacheResult
-    tier: str | None
-    restore_s: float
-    compile_s: float
-    prefill_s: float  # all of the above: lookup, compile (a miss), restore and the forward pass
-    forward_s: float = 0.0  # the model's own forward over the uncached tokens
-    queued_s: float = 0.0  # from submit until the engine took the job
-    lookup_s: float = 0.0  # key hash + cache lookup
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    finish_reason: Literal["stop", "length"]
-    completion_tokens: int
-    token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    message: str
-
-
-EngineEvent = Prefilled | TextDelta | Finished | Failed
-
-
-@dataclass(slots=True)
-class Job:
-    prompt_ids: list[int]
-    prefix_len: int  # tokens of the tool group; 0 when there is none
-    params: SamplingParams
-    emit: Callable[[EngineEvent], None]  # must be thread-safe
-    use_cache: bool = True
-    salt: str = ""
-    group_id: str = ""
-    tool_names: tuple[str, ...] = ()
-    keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = 0.0  # perf_counter at submit
-    # Set by a streaming consumer once the first token is on the wire; the engine waits for it
-    # (at most FIRST_TOKEN_HANDOFF_S) before the next forward, so the event loop has the CPU and
-    # the GIL while it sends the first token. None: nobody waits on the first token.
-    first_token_sent: threading.Event | None = None
-
-
-class QueueFull(Exception):
-    pass
-
-
-@dataclass(slots=True)
-class Task:
-    """Work other than a generation that must run on the engine thread (e.g. warming a prefix)."""
-
-    fn: Callable[[], Any]
-    future: Future[Any] = field(default_factory=Future)
+class _Hold(Exception):
+    """The job cannot be admitted yet (blocks, or its group is being compiled by another)."""
 
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
-                 *, min_prefix_tokens: int, max_queue: int, device: torch.device) -> None:
+                 *, min_prefix_tokens: int, max_queue: int, device: torch.device,
+                 pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
+                 max_batch: int = 8) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
         self.identity = identity
         self.min_prefix_tokens = min_prefix_tokens
         self.device = device
+        self.max_batch = max_batch
         self.eos_ids = _eos_ids(model, tokenizer)
         self.special_ids = _special_ids(tokenizer)
-        self._jobs: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
+        self.runner = ModelRunner(model, device)
+        self.pool = BlockPool(_pool_shape(model), pool_bytes, block_tokens, device)
+        self.scheduler = Scheduler(chunk_tokens)
+        self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
+        self._held: list[Job] = []
+        self._running: list[Sequence] = []
+        self._compiling: dict[str, Sequence] = {}  # group digest -> the sequence computing it
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
-        self.busy = False
-        self.num_cancelled = 0  # generations stopped because their client went away
         self._steps = StepLog()
-        self._num_steps = 0
+        self.num_steps = 0
+        self.num_cancelled = 0  # sequences stopped because their client went away
+        self.num_preempted = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
-    # ---- lifecycle -------------------------------------------------------------------------
+    # ---- public API ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        self._intake.put(None)
         self._thread.join(timeout=30)
         self.store.close()  # finish pending disk writes, so a restart finds them
 
     def submit(self, job: Job) -> None:
+        """Queue a generation; its events arrive through `job.emit`. Raises QueueFull when too
+        many wait, TooLarge when the pool could never hold it."""
+        if self._blocks_needed(job) > self.pool.num_blocks:
+            raise TooLarge(f"the request needs {len(job.prompt_ids) + job.params.max_tokens} tokens of KV; "
+                           f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         job.submitted = time.perf_counter()
         try:
-            self._jobs.put_nowait(job)
+            self._intake.put_nowait(job)
         except queue.Full:
             raise QueueFull from None
 
+    def abort(self, job: Job) -> None:
+        """Stop a job wherever it is (queued, waiting or running); its blocks are freed."""
+        job.cancelled.set()
+
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run `fn` on the engine thread, between generations; its result arrives in the future."""
+        """Run `fn` on the engine thread, between steps; its result arrives in the future."""
         task = Task(fn)
         try:
-            self._jobs.put_nowait(task)
+            self._intake.put_nowait(task)
         except queue.Full:
             raise QueueFull from None
         return task.future
 
-    @property
-    def queue_depth(self) -> int:
-        return self._jobs.qsize()
+    def warm(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> Future[tuple[CacheEntry, bool]]:
+        """Make sure the group `key` is cached (RAM, disk, or computed now); the future gives the
+        entry and whether it was already cached."""
+        def run() -> tuple[CacheEntry, bool]:
+            found = self.store.lookup(key)
+            if found is not None:
+                return found.entry, True
+            return self.compile_prefix(key, group_id, tool_names), False
+        return self.call(run)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=int(self.busy), waiting=self._jobs.qsize(), kv_blocks_total=0,
-                           kv_blocks_used=0, kv_blocks_cached=0, kv_block_tokens=0, preemptions_total=0,
-                           prefix_queries_tokens_total=0, prefix_hits_tokens_total=0,
-                           steps_total=self._num_steps, cancelled_total=self.num_cancelled)
+        cached = sum(self.pool.blocks_for(e.num_tokens) for e in self.store.ram.entries() if e.blocks is not None)
+        return EngineStats(running=len(self._running), waiting=self._intake.qsize() + len(self._held),
+                           kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+                           kv_blocks_cached=cached, kv_block_tokens=self.pool.block_tokens,
+                           preemptions_total=self.num_preempted,
+                           prefix_queries_tokens_total=self.prefix_query_tokens,
+                           prefix_hits_tokens_total=self.prefix_hit_tokens, steps_total=self.num_steps,
+                           cancelled_total=self.num_cancelled)
 
     def drain_steps(self) -> list[StepRecord]:
         return self._steps.drain()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._intake.qsize() + len(self._held)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running)
 
     def key_for(self, prefix_ids: list[int], salt: str = "") -> PrefixKey:
         identity = self.identity if not salt else CacheIdentity(
@@ -162,25 +167,76 @@ class Engine:
             self.identity.adapter_version, salt)
         return PrefixKey.of(identity, prefix_ids)
 
-    # ---- worker ----------------------------------------------------------------------------
+    def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
+        """Compute a group's KV into the pool and store it, in the same chunks a request computes
+        it in. Engine thread only (warming; between steps)."""
+        started = time.perf_counter()
+        run = self._allocate(len(key.token_ids))
+        if run is None:
+            raise TooLarge("the KV pool has no room for this tool group now")
+        try:
+            prompt = list(key.token_ids)
+            done = 0
+            while done < len(prompt):
+                end = min(len(prompt), (done // self.scheduler.chunk_tokens + 1) * self.scheduler.chunk_tokens)
+                self.runner.prefill(prompt[done:end], RowKV(None, run, done, done))
+                done = end
+            return self._store_group(key, run, group_id, tool_names, time.perf_counter() - started)
+        finally:
+            run.release()
+
+    def prefill_over(self, entry: CacheEntry, suffix_ids: list[int]) -> None:
+        """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks,
+        into a scratch run that is freed after. Engine thread only (the bench's floor probe)."""
+        run = self._allocate(len(suffix_ids))
+        if run is None:
+            raise TooLarge("the KV pool has no room for the suffix now")
+        try:
+            group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
+            done, chunk = 0, self.scheduler.chunk_tokens
+            while done < len(suffix_ids):
+                end = min(len(suffix_ids), (done // chunk + 1) * chunk)
+                self.runner.prefill(suffix_ids[done:end], RowKV(group, run, done, entry.num_tokens + done))
+                done = end
+        finally:
+            run.release()
+
+    # ---- the step loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if isinstance(job, Task):
-                self._run_task(job)
-                continue
-            if job.cancelled.is_set():
-                continue
-            self.busy = True
+        while self._take_new_work():
+            self._admit()
+            self._drop_cancelled()
+            plan = self.scheduler.plan(self._running)
+            if plan:
+                self._step(plan)
+        for seq in self._running:
+            seq.release()
+        self._running.clear()
+
+    def _take_new_work(self) -> bool:
+        """Block while idle; otherwise take what is queued without waiting, up to the batch size.
+        False once the engine is told to stop."""
+        idle = not self._running
+        while len(self._running) + len(self._held) < self.max_batch or idle:
             try:
-                with torch.inference_mode():
-                    self._generate(job)
-            except Exception as exc:  # one request fails, never the engine
-                log.exception("generation failed")
-                # The client sees no exception text: it may hold a path or other server detail.
-                job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
-            finally:
-                self.busy = False
+                if idle and not self._held:
+                    item = self._intake.get()
+                elif idle:
+                    item = self._intake.get(timeout=_IDLE_WAIT_S)
+                else:
+                    item = self._intake.get_nowait()
+            except queue.Empty:
+                return True
+            idle = False
+            if item is None:
+                return False
+            if isinstance(item, Task):
+                self._run_task(item)
+                idle = not self._running and not self._held
+            elif not item.cancelled.is_set():
+                self._held.append(item)
+        return True
 
     def _run_task(self, task: Task) -> None:
         if not task.future.set_running_or_notify_cancel():
@@ -191,138 +247,265 @@ class Engine:
         except Exception as exc:
             task.future.set_exception(exc)
 
-    def _generate(self, job: Job) -> None:
-        logits, cache, prefilled = self._prefill(job)
-        job.emit(prefilled)
-        self._decode(job, logits, cache)
+    def _admit(self) -> None:
+        for job in list(self._held):
+            if job.cancelled.is_set():
+                self._held.remove(job)
+                continue
+            try:
+                seq = self._sequence_for(job)
+            except _Hold:
+                continue
+            except Exception as exc:
+                self._held.remove(job)
+                self._fail_job(job, exc)
+                continue
+            self._held.remove(job)
+            self._running.append(seq)
 
-    def _prefill(self, job: Job) -> tuple[torch.Tensor, Any, Prefilled]:
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.job.cancelled.is_set()]:
+            self.num_cancelled += 1
+            self._retire(seq)
+
+    def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
-        queued_s = started - job.submitted if job.submitted else 0.0
-        if not job.use_cache:
-            return self._plain_prefill(job, "bypass", started, queued_s)
-        if job.prefix_len < self.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
-            return self._plain_prefill(job, "skip", started, queued_s)
-        key = self.key_for(job.prompt_ids[: job.prefix_len], job.salt)
-        found = self.store.lookup(key)
-        lookup_s = time.perf_counter() - started
-        compile_s, result, tier = 0.0, "hit", None
-        if found is None:
-            entry = self.compile_prefix(key, job.group_id, job.tool_names)
-            compile_s, result = entry.compile_s, "miss"
+        if plan.decode:
+            self._decode(plan.decode)
+        for seq, start, end in plan.prefill:
+            if seq in self._running:
+                self._prefill(seq, start, end)
+        self.num_steps += 1
+        self._steps.add(StepRecord(len(plan.decode) + len(plan.prefill), plan.num_tokens,
+                                   time.perf_counter() - started))
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def _blocks_needed(self, job: Job) -> int:
+        return self.pool.blocks_for(job.prefix_len) + self.pool.blocks_for(
+            len(job.prompt_ids) - job.prefix_len + job.params.max_tokens)
+
+    def _sequence_for(self, job: Job, recompute: bool = False) -> Sequence:
+        """A running sequence for `job` with all its blocks, or _Hold."""
+        admitted = time.perf_counter()
+        cacheable = self.min_prefix_tokens <= job.prefix_len < len(job.prompt_ids)
+        group_len = job.prefix_len if cacheable else 0
+        key: PrefixKey | None = None
+        entry: CacheEntry | None = None
+        tier: str | None = None
+        result: CacheResult = "bypass" if not job.use_cache else "skip"
+        if cacheable and job.use_cache and not recompute:
+            key = self.key_for(job.prompt_ids[:group_len], job.salt)
+            if key.digest in self._compiling:
+                raise _Hold
+            entry, tier = self._lookup(key)
+            result = "hit" if entry is not None else "miss"
+        elif recompute:
+            result = "miss"
+        lookup_s = time.perf_counter() - admitted
+        own_run = self._allocate(len(job.prompt_ids) - group_len + job.params.max_tokens)
+        group_run = None
+        if own_run is not None and group_len and entry is None:
+            group_run = self._allocate(group_len)
+            if group_run is None:
+                own_run.release()
+                own_run = None
+        if own_run is None:
+            if entry is not None:
+                self._let_go(entry)
+            raise _Hold
+        seq = Sequence(job, group_len, result, own_run, Sampler(job.params),
+                       TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids),
+                       key=key, entry=entry, group_run=group_run, tier=tier, admitted_at=admitted,
+                       lookup_s=lookup_s)
+        if group_run is not None:
+            seq.phase = Phase.GROUP
+            seq.compile_started = admitted
+            if result == "miss" and key is not None:
+                self._compiling[key.digest] = seq
         else:
-            entry, tier = found.entry, found.tier
-            entry.touch()
+            seq.computed = group_len
+        if job.use_cache:
+            self.prefix_query_tokens += len(job.prompt_ids)
+            if result == "hit":
+                self.prefix_hit_tokens += group_len
+        return seq
+
+    def _lookup(self, key: PrefixKey) -> tuple[CacheEntry | None, str | None]:
+        """The stored group, with a reference and a lock held for the sequence; None on a miss."""
+        found = self.store.lookup(key)
+        if found is None:
+            return None, None
+        entry = found.entry
+        entry.touch()
+        if entry.blocks is None:  # read from disk: copy it into the pool (when there is room)
+            entry = self._place(entry)
+        else:
+            entry.retain()
         self.store.lock(entry)
-        try:
-            restore_started = time.perf_counter()
-            cache = self.restore(entry, room_tokens=job.params.max_tokens + 1)
-            forward_started = time.perf_counter()
-            restore_s = forward_started - restore_started
-            logits = self.forward(job.prompt_ids[job.prefix_len :], cache)
-            forward_s = time.perf_counter() - forward_started
-        finally:
-            self.store.unlock(entry)
-        if not all_finite(logits):
-            self.store.quarantine(entry, "nonfinite", "its KV gave non-finite logits")
-            return self._plain_prefill(job, "miss", started, queued_s)
-        cached = job.prefix_len if result == "hit" else 0  # a miss computed its prefix just now
-        prefilled = Prefilled(len(job.prompt_ids), cached, result, tier,  # type: ignore[arg-type]
-                              restore_s, compile_s, time.perf_counter() - started, forward_s, queued_s, lookup_s)
-        return logits, cache, prefilled
+        return entry, found.tier
 
-    def _plain_prefill(self, job: Job, result: CacheResult, started: float,
-                       queued_s: float) -> tuple[torch.Tensor, Any, Prefilled]:
-        cache = self.new_cache(room_tokens=job.params.max_tokens + 1)
-        forward_started = time.perf_counter()
-        logits = self.forward(job.prompt_ids, cache)
-        if not all_finite(logits):
-            raise NonFiniteLogits("the model gave non-finite logits on a plain prefill")
-        done = time.perf_counter()
-        return logits, cache, Prefilled(len(job.prompt_ids), 0, result, None, 0.0, 0.0,
-                                        done - started, done - forward_started, queued_s)
-
-    def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
-        """Compute the prefix KV once and store it (callable from the worker thread only)."""
-        started = time.perf_counter()
-        log.info("compiling tool group %s: %d prefix tokens", group_id or "-", len(key.token_ids))
-        cache = self.new_cache(room_tokens=spare_room(len(key.token_ids)))
-        self.forward(list(key.token_ids), cache)
-        layers = tuple(
-            LayerKV(layer.keys, layer.values, getattr(layer, "cumulative_length", None),
-                    *(layer.room() if isinstance(layer, GrowingLayer) else (None, None)))
-            for layer in cache.layers
-        )
-        entry = CacheEntry(key=key, layers=layers, group_id=group_id, tool_names=tool_names,
-                           compile_s=time.perf_counter() - started)
-        self.store.insert(entry)
-        log.info("compiled tool group %s in %.2fs (%.1f MB of KV)", group_id or "-", entry.compile_s,
-                 entry.num_bytes / 1e6)
+    def _place(self, loaded: CacheEntry) -> CacheEntry:
+        run = self._allocate(loaded.num_tokens)
+        if run is None:
+            return loaded  # used from its own tensors this once
+        for index, layer in enumerate(loaded.layers):
+            run.keys(index, 0, loaded.num_tokens).copy_(layer.keys[0])
+            run.values(index, 0, loaded.num_tokens).copy_(layer.values[0])
+        entry = CacheEntry(key=loaded.key, layers=_views(run, loaded.num_tokens), group_id=loaded.group_id,
+                           tool_names=loaded.tool_names, compile_s=loaded.compile_s,
+                           created_at=loaded.created_at, last_used_at=loaded.last_used_at, hits=loaded.hits,
+                           blocks=run)
+        self.store.keep_in_ram(entry)  # replaces the loaded copy; the run's reference is the sequence's
         return entry
 
-    def new_cache(self, room_tokens: int | None = None) -> Any:
-        """A fresh cache; with `room_tokens`, full-attention layers grow in place while decoding."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+    def _let_go(self, entry: CacheEntry) -> None:
+        self.store.unlock(entry)
+        entry.release()
 
-        cache = DynamicCache(config=self.model.config)
-        if room_tokens is not None:
-            cache.layers = [GrowingLayer(room_tokens) if type(layer) is DynamicLayer else layer
-                            for layer in cache.layers]
-        return cache
+    def _allocate(self, tokens: int) -> BlockRun | None:
+        """A run for `tokens`, evicting cached groups nobody uses (least recent first) to make room."""
+        while (run := self.pool.allocate(tokens)) is None:
+            if not self.store.evict_oldest():
+                return None
+        return run
 
-    def restore(self, entry: CacheEntry, room_tokens: int | None = None) -> Any:
-        """A cache holding the entry's tensors by reference: no copy. With `room_tokens`, a request
-        appends into the entry's spare room (one request at a time: this thread is the only one);
-        otherwise the first update writes into new tensors. The prefix's own positions are never
-        written either way."""
-        cache = self.new_cache(room_tokens)
-        for layer, stored in zip(cache.layers, entry.layers, strict=True):
-            if isinstance(layer, GrowingLayer) and stored.key_room is not None and stored.value_room is not None:
-                layer.adopt(stored.keys, stored.values, stored.key_room, stored.value_room)
-                continue
-            layer.lazy_initialization(stored.keys, stored.values)
-            layer.keys, layer.values = stored.keys, stored.values
-            if stored.cumulative_length is not None:
-                layer.cumulative_length = stored.cumulative_length
-        return cache
+    # ---- running -----------------------------------------------------------------------------
 
-    def forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
-        """The model over `token_ids` after what `cache` holds (which it extends); the last
-        position's logits. Engine thread only (the bench's floor probe calls it on its own engine)."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits: torch.Tensor = out.logits[0, -1]
-        return logits
+    def _decode(self, seqs: list[Sequence]) -> None:
+        try:
+            logits = self.runner.decode([s.next_token for s in seqs],  # type: ignore[misc]
+                                        [s.row(1) for s in seqs])
+        except Exception as exc:
+            for seq in seqs:
+                self._fail(seq, exc)
+            return
+        for seq, row_logits in zip(seqs, logits, strict=True):
+            self._advance(seq, row_logits)
 
-    def _decode(self, job: Job, logits: torch.Tensor, cache: Any) -> None:
-        sampler = Sampler(job.params)
-        stream = TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids)
-        for count in range(1, job.params.max_tokens + 1):
-            if job.cancelled.is_set():
-                self.num_cancelled += 1
+    def _prefill(self, seq: Sequence, start: int, end: int) -> None:
+        try:
+            forward_started = time.perf_counter()
+            logits = self.runner.prefill(seq.prompt[start:end], seq.row(end - start))
+            if seq.phase is Phase.PROMPT:
+                seq.forward_s += time.perf_counter() - forward_started
+            seq.computed = end
+            if seq.phase is Phase.GROUP and end == seq.group_len:
+                self._group_done(seq)
+            elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
+                self._prompt_done(seq, logits)
+        except Exception as exc:
+            self._fail(seq, exc)
+
+    def _group_done(self, seq: Sequence) -> None:
+        seq.phase = Phase.PROMPT
+        seq.compile_s = time.perf_counter() - seq.compile_started
+        if seq.result != "miss" or seq.key is None:
+            return  # a bypass keeps its group to itself
+        assert seq.group_run is not None
+        self._compiling.pop(seq.key.digest, None)
+        seq.entry = self._store_group(seq.key, seq.group_run, seq.job.group_id, seq.job.tool_names, seq.compile_s)
+
+    def _store_group(self, key: PrefixKey, run: BlockRun, group_id: str, tool_names: tuple[str, ...],
+                     compile_s: float) -> CacheEntry:
+        entry = CacheEntry(key=key, layers=_views(run, len(key.token_ids)), group_id=group_id,
+                           tool_names=tool_names, compile_s=compile_s, blocks=run)
+        self.store.insert(entry)
+        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", group_id or "-",
+                 len(key.token_ids), compile_s, entry.num_bytes / 1e6)
+        return entry
+
+    def _prompt_done(self, seq: Sequence, logits: torch.Tensor) -> None:
+        if not all_finite(logits):
+            if seq.result == "hit" and seq.entry is not None:
+                self.store.quarantine(seq.entry, "nonfinite", "its KV gave non-finite logits")
+                self._recompute(seq)
                 return
-            token = sampler.next_token(logits)
-            if token in self.eos_ids:
-                self._finish(job, stream, "stop", count - 1)
-                return
-            delta = stream.push(token)
-            if delta:
-                job.emit(TextDelta(delta))
-                if job.first_token_sent is not None and not job.first_token_sent.is_set():
-                    job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
-            if stream.stopped:
-                job.emit(Finished("stop", count, tuple(stream.token_ids)))
-                return
-            if count < job.params.max_tokens:
-                logits = self.forward([token], cache)
-        self._finish(job, stream, "length", job.params.max_tokens)
+            raise _NonFinite("the model gave non-finite logits on a plain prefill")
+        now = time.perf_counter()
+        job = seq.job
+        cached = seq.group_len if seq.result == "hit" else 0
+        job.emit(Prefilled(len(seq.prompt), cached, seq.result, seq.tier, 0.0, seq.compile_s,
+                           now - seq.admitted_at, seq.forward_s,
+                           seq.admitted_at - job.submitted if job.submitted else 0.0, seq.lookup_s))
+        seq.phase = Phase.DECODE
+        self._advance(seq, logits)
 
-    def _finish(self, job: Job, stream: TextStream, reason: Literal["stop", "length"], count: int) -> None:
-        rest = stream.flush()
+    def _recompute(self, seq: Sequence) -> None:
+        """Start `seq` again, computing its group privately (its cached copy was bad)."""
+        self._retire(seq)
+        try:
+            self._running.append(self._sequence_for(seq.job, recompute=True))
+        except _Hold:
+            self._held.insert(0, seq.job)
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
+        job = seq.job
+        token = seq.sampler.next_token(logits)
+        seq.generated += 1
+        if token in self.eos_ids:
+            self._finish(seq, "stop", seq.generated - 1)
+            return
+        delta = seq.stream.push(token)
+        if delta:
+            job.emit(TextDelta(delta))
+            if job.first_token_sent is not None and not seq.first_token_handed_off:
+                seq.first_token_handed_off = True
+                job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
+        if seq.stream.stopped:
+            self._retire(seq)  # blocks are free before the client hears it is done
+            job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids)))
+            return
+        if seq.generated >= job.params.max_tokens:
+            self._finish(seq, "length", job.params.max_tokens)
+            return
+        seq.next_token = token
+
+    def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
+        self._retire(seq)  # blocks are free before the client hears it is done
+        rest = seq.stream.flush()
         if rest:
-            job.emit(TextDelta(rest))
-        job.emit(Finished(reason, count, tuple(stream.token_ids)))
+            seq.job.emit(TextDelta(rest))
+        seq.job.emit(Finished(reason, count, tuple(seq.stream.token_ids)))
+
+    def _retire(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch and give its blocks back."""
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.key is not None and self._compiling.get(seq.key.digest) is seq:
+            del self._compiling[seq.key.digest]
+        if seq.entry is not None and seq.result == "hit":
+            self.store.unlock(seq.entry)
+        seq.release()
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        self._retire(seq)  # before the event, as for a finish
+        self._fail_job(seq.job, exc)
+
+    def _fail_job(self, job: Job, exc: Exception) -> None:
+        log.error("generation failed", exc_info=exc)
+        # The client sees no exception text: it may hold a path or other server detail.
+        job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
+
+
+class _NonFinite(RuntimeError):
+    pass
+
+
+def _views(run: BlockRun, tokens: int) -> tuple[LayerKV, ...]:
+    """An entry's layers as `[1, kv_heads, tokens, dim]` views of the run's blocks."""
+    return tuple(LayerKV(run.keys(i, 0, tokens)[None], run.values(i, 0, tokens)[None])
+                 for i in range(len(run.pool.keys)))
+
+
+def _pool_shape(model: Any) -> PoolShape:
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float16
+    return PoolShape(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

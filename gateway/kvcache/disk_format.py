@@ -144,9 +144,6 @@ def decode(header: Header, tensors: dict[str, torch.Tensor], key: PrefixKey,
 
 
 def _layer(keys: torch.Tensor, values: torch.Tensor, cumulative_length: int | None) -> LayerKV:
-    """Full-attention layers get spare room for their hits (sliding-window ones keep their size)."""
-    if cumulative_length is None:
-        return LayerKV.with_room(keys, values)
     return LayerKV(keys, values, cumulative_length)
 
 

@@ -1,4 +1,5 @@
-"""RAM tier: LRU under a byte budget. An entry that is locked (in use by a request) is never evicted."""
+"""RAM tier: LRU under a byte budget. An entry that is locked (in use by a request) is never evicted.
+An entry kept here holds a reference to its KV pool blocks; removing it gives them back."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ class RamTier:
         with self._mutex:
             if not self.can_insert(entry):
                 return []
-            self._remove(entry.key.digest)
+            entry.retain()  # the tier's own reference to the entry's pool blocks (taken first: the
+            self._remove(entry.key.digest)  # entry may be the one it replaces)
             evicted = self._evict_for(entry.num_bytes)
             if self.num_bytes + entry.num_bytes > self.budget_bytes:
+                entry.release()
                 return evicted  # everything left is locked; the entry is used once, not kept
             self._entries[entry.key.digest] = entry
             self.num_bytes += entry.num_bytes
@@ -80,6 +83,16 @@ class RamTier:
         with self._mutex:
             return list(self._entries.values())
 
+    def evict_oldest(self) -> Eviction | None:
+        """Drop the least recently used entry not in use (the pool needs its blocks)."""
+        with self._mutex:
+            for digest in self._entries:
+                if digest not in self._locks:
+                    evicted = Eviction(digest, self._entries[digest].num_bytes)
+                    self._remove(digest)
+                    return evicted
+            return None
+
     def _evict_for(self, incoming_bytes: int) -> list[Eviction]:
         evicted: list[Eviction] = []
         for digest in list(self._entries):
@@ -96,4 +109,5 @@ class RamTier:
         if entry is None:
             return False
         self.num_bytes -= entry.num_bytes
+        entry.release()
         return True

@@ -88,8 +88,14 @@ class PrefixStore:
         self._insert_ram(entry)
         if self._writer is None or self.disk is None or not self.disk.can_insert(entry):
             return
+        entry.retain()  # a pending write reads the entry's blocks: keep them until it is done
         if not self._writer.schedule(entry):
+            entry.release()
             self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
+
+    def keep_in_ram(self, entry: CacheEntry) -> None:
+        """Keep `entry` in RAM (replacing an entry of the same key), without a disk write."""
+        self._insert_ram(entry)
 
     def quarantine(self, entry: CacheEntry, kind: str, reason: str) -> None:
         """Drop an entry found bad in use (its KV gave non-finite logits) from every tier, set
@@ -109,6 +115,15 @@ class PrefixStore:
         self.ram.unlock(entry.key.digest)
 
     # ---- management ----------------------------------------------------------------------------
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used RAM entry not in use, to give its blocks back to the
+        pool (it stays on disk); False when there is none."""
+        evicted = self.ram.evict_oldest()
+        if evicted is None:
+            return False
+        self.tally.add("eviction", "ram")
+        return True
 
     def entries(self) -> list[EntryInfo]:
         """Every entry of this model in any tier, most recently used first."""
@@ -212,13 +227,18 @@ class BackgroundWriter:
     def cancel(self, digest: str) -> None:
         """Forget a pending write of `digest`, and wait out one in flight."""
         with self._cond:
-            self._pending.pop(digest, None)
+            dropped = self._pending.pop(digest, None)
             self._cond.wait_for(lambda: self._writing != digest)
+        if dropped is not None:
+            dropped.release()
 
     def cancel_all(self) -> None:
         with self._cond:
+            dropped = list(self._pending.values())
             self._pending.clear()
             self._cond.wait_for(lambda: self._writing is None)
+        for entry in dropped:
+            entry.release()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         with self._cond:
@@ -228,7 +248,10 @@ class BackgroundWriter:
         finished = self.flush(timeout_s)
         with self._cond:
             self._closed = True
+            dropped = list(self._pending.values())
             self._pending.clear()
+            for entry in dropped:
+                entry.release()
             self._cond.notify_all()
         if not finished:
             log.warning("disk writes still pending after %.0fs at shutdown; dropped", timeout_s)
@@ -241,6 +264,7 @@ class BackgroundWriter:
             except Exception:  # the writer must outlive any one bad write
                 log.exception("disk cache write failed")
             finally:
+                entry.release()
                 with self._cond:
                     self._writing = None
                     self._cond.notify_all()

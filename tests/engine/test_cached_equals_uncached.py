@@ -120,18 +120,22 @@ def test_stored_prefix_tensors_are_never_written_by_requests(runtime_for, mercha
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hits_write_into_the_entry_spare_room_and_never_leak_into_the_next(runtime_for, merchant_tools, arch):
-    """Consecutive hits reuse the room after the stored prefix; a generation longer than the room
-    grows out of it. Each must equal its own plain computation."""
+def test_hits_read_the_groups_blocks_in_place_and_never_write_them(runtime_for, merchant_tools, arch):
+    """The stored group is a run of pool blocks: a hit reads it with no copy, writes its own tokens
+    into blocks of its own, and gives them back when done. Each hit equals its plain computation."""
     runtime = runtime_for(arch)
     generate(runtime, body(merchant_tools[:5], question="warm up", max_tokens=1))
     (entry,) = runtime.store.ram.entries()
-    full = [layer for layer in entry.layers if layer.key_room is not None]
-    assert full and all(layer.key_room.shape[-2] > layer.keys.shape[-2] for layer in full)
-    assert all(layer.keys.data_ptr() == layer.key_room.data_ptr() for layer in full)  # a view: no copy
-    room = full[0].key_room.shape[-2] - full[0].keys.shape[-2]
-    for question, max_tokens in (("Refunds?", 20), ("Stock of item 7?", 6), ("Top sellers?", room + 10)):
+    pool = runtime.engine.pool
+    assert entry.blocks is not None
+    assert entry.layers[0].keys.data_ptr() == pool.keys[0][:, entry.blocks.token_start].data_ptr()
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in entry.layers]
+    held = pool.num_used
+    for question, max_tokens in (("Refunds?", 20), ("Stock of item 7?", 6), ("Top sellers?", 40)):
         request = body(merchant_tools[:5], question=question, max_tokens=max_tokens)
         hit, plain = generate(runtime, request), generate(runtime, request, bypass=True)
         assert hit.prefilled.result == "hit"
         assert hit.finished.token_ids == plain.finished.token_ids and len(hit.finished.token_ids) == max_tokens
+        assert pool.num_used == held  # every block a request took is back
+    after = [(layer.keys, layer.values) for layer in entry.layers]
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(before, after, strict=True))

@@ -1,0 +1,135 @@
+"""The KV block pool: every key and value the engine computes lives here, preallocated once per
+layer from `ram_budget_bytes`, so memory is bounded by the pool and not by traffic.
+
+Memory is cut into fixed-size blocks of `block_tokens` tokens, ref-counted. A holder (a running
+sequence, the RAM tier, a pending disk write) takes a *run*: consecutive blocks, so that a run's
+keys for one layer are one strided view `[kv_heads, tokens, head_dim]` with no gather. Attention on
+this CPU reads those views directly; gathering scattered pages into a contiguous tensor costs a
+copy of the whole context per layer per step, which is what makes paged attention slower than
+serving one request at a time here (see ../shared/research/engine-v2.md and the README).
+
+A run is shared by reference counting: the tool group's run is held by the RAM tier and by every
+sequence that uses it, and written by no one after its compile. Blocks whose count drops to zero
+are free at once. The engine thread is the only one that allocates and writes; counts change from
+the disk writer thread too, so they are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+class BlockRun:
+    """Consecutive blocks `[first, first + count)`, alive while someone holds a reference."""
+
+    __slots__ = ("count", "first", "pool")
+
+    def __init__(self, pool: BlockPool, first: int, count: int) -> None:
+        self.pool = pool
+        self.first = first
+        self.count = count
+
+    @property
+    def token_start(self) -> int:
+        return self.first * self.pool.block_tokens
+
+    @property
+    def capacity(self) -> int:
+        return self.count * self.pool.block_tokens
+
+    @property
+    def block_ids(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    def retain(self) -> None:
+        self.pool.retain(self)
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+    def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Layer `layer`'s keys for run-relative tokens `[start, end)`: a view `[kv_heads, n, dim]`."""
+        base = self.token_start
+        return self.pool.keys[layer][:, base + start: base + end]
+
+    def values(self, layer: int, start: int, end: int) -> torch.Tensor:
+        base = self.token_start
+        return self.pool.values[layer][:, base + start: base + end]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class BlockPool:
+    def __init__(self, shape: PoolShape, budget_bytes: int, block_tokens: int, device: torch.device) -> None:
+        self.shape = shape
+        self.block_tokens = block_tokens
+        self.num_blocks = max(0, budget_bytes // (shape.bytes_per_token * block_tokens))
+        tokens = self.num_blocks * block_tokens
+        # torch.empty reserves address space; pages become resident as blocks are first written.
+        self.keys = [torch.empty((shape.kv_heads, tokens, shape.head_dim), dtype=shape.dtype, device=device)
+                     for _ in range(shape.num_layers)]
+        self.values = [torch.empty((shape.kv_heads, tokens, shape.head_dim), dtype=shape.dtype, device=device)
+                       for _ in range(shape.num_layers)]
+        self._refs = [0] * self.num_blocks
+        self._lock = threading.Lock()
+        self.num_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.num_used
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_tokens * self.shape.bytes_per_token
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def allocate(self, tokens: int) -> BlockRun | None:
+        """A run of consecutive free blocks holding `tokens` (first fit), with one reference; None
+        when no such run is free now."""
+        need = self.blocks_for(max(tokens, 1))
+        with self._lock:
+            start, length = 0, 0
+            for index, refs in enumerate(self._refs):
+                if refs:
+                    start, length = index + 1, 0
+                    continue
+                length += 1
+                if length == need:
+                    for block in range(start, start + need):
+                        self._refs[block] = 1
+                    self.num_used += need
+                    return BlockRun(self, start, need)
+        return None
+
+    def retain(self, run: BlockRun) -> None:
+        with self._lock:
+            for block in run.block_ids:
+                assert self._refs[block] > 0, "retain of a freed block"
+                self._refs[block] += 1
+
+    def release(self, run: BlockRun) -> None:
+        with self._lock:
+            for block in run.block_ids:
+                assert self._refs[block] > 0, "release of a freed block"
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    self.num_used -= 1
+
+    def refs(self, block: int) -> int:
+        with self._lock:
+            return self._refs[block]

@@ -1,0 +1,83 @@
+"""What goes into the engine (a Job, or a Task to run on its thread) and what comes out of it
+(events, in order: Prefilled, TextDelta..., then Finished or Failed)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gateway.sampling import SamplingParams
+
+CacheResult = Literal["hit", "miss", "bypass", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    prompt_tokens: int
+    cached_tokens: int
+    result: CacheResult
+    tier: str | None
+    restore_s: float
+    compile_s: float
+    prefill_s: float  # from admission to the first token's logits: lookup, compile, prompt chunks
+    forward_s: float = 0.0  # the model's own forward passes over the prompt after the group
+    queued_s: float = 0.0  # from submit until the engine admitted the job
+    lookup_s: float = 0.0  # key hash + cache lookup
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: Literal["stop", "length"]
+    completion_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+
+
+EngineEvent = Prefilled | TextDelta | Finished | Failed
+
+
+@dataclass(slots=True)
+class Job:
+    prompt_ids: list[int]
+    prefix_len: int  # tokens of the tool group; 0 when there is none
+    params: SamplingParams
+    emit: Callable[[EngineEvent], None]  # must be thread-safe
+    use_cache: bool = True
+    salt: str = ""
+    group_id: str = ""
+    tool_names: tuple[str, ...] = ()
+    keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = 0.0  # perf_counter at submit
+    # Set by a streaming consumer once the first token is on the wire; the engine waits for it
+    # (at most FIRST_TOKEN_HANDOFF_S) before the next forward, so the event loop has the CPU and
+    # the GIL while it sends the first token. None: nobody waits on the first token.
+    first_token_sent: threading.Event | None = None
+
+
+class QueueFull(Exception):
+    """Too many jobs are waiting; retry later."""
+
+
+class TooLarge(Exception):
+    """The job needs more KV blocks than the whole pool has: it can never run."""
+
+
+@dataclass(slots=True)
+class Task:
+    """Work other than a generation that must run on the engine thread (e.g. listing)."""
+
+    fn: Callable[[], Any]
+    future: Future[Any] = field(default_factory=Future)

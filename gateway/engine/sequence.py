@@ -1,0 +1,108 @@
+"""A sequence: one request inside the engine, from admission to its last token.
+
+Its KV is two segments (see model_runner): the tool group `[0, group_len)`, either shared from the
+prefix store (a hit) or computed by this sequence into a run of its own (a miss stores that run; a
+bypass keeps it private), and its own run after it, reserved at admission for the rest of the
+prompt plus `max_tokens`, so a running sequence never needs another block.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from gateway.engine.block_pool import BlockRun
+from gateway.engine.events import CacheResult, Job
+from gateway.engine.model_runner import RowKV
+from gateway.kvcache.entry import CacheEntry
+from gateway.kvcache.keys import PrefixKey
+from gateway.sampling import Sampler, TextStream
+
+if TYPE_CHECKING:
+    pass
+
+
+class Phase(enum.Enum):
+    GROUP = "group"  # computing the tool group's KV into `group_run`
+    PROMPT = "prompt"  # prefilling the rest of the prompt into `own_run`
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class Sequence:
+    job: Job
+    group_len: int  # tokens in the group segment (0: none)
+    result: CacheResult
+    own_run: BlockRun
+    sampler: Sampler
+    stream: TextStream
+    key: PrefixKey | None = None  # the group's key when it is looked up / stored
+    entry: CacheEntry | None = None  # the stored group this sequence reads (a hit) or wrote (a miss)
+    group_run: BlockRun | None = None  # the group's KV computed by this sequence (miss, bypass)
+    tier: str | None = None
+    phase: Phase = Phase.PROMPT
+    computed: int = 0  # prompt tokens whose KV is in place
+    generated: int = 0  # tokens sampled so far
+    next_token: int | None = None  # sampled, not yet fed to the model
+    admitted_at: float = field(default_factory=time.perf_counter)
+    lookup_s: float = 0.0
+    compile_started: float = 0.0
+    compile_s: float = 0.0
+    forward_s: float = 0.0  # the model's forward passes over this sequence's own prompt tokens
+    first_token_handed_off: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.job.prompt_ids
+
+    @property
+    def own_len(self) -> int:
+        """Tokens in the own run: the prompt after the group, then generated tokens fed back."""
+        return self.computed - self.group_len if self.phase is not Phase.GROUP else 0
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.prompt) - self.computed if self.phase is not Phase.DECODE else 0
+
+    def group_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer, the group segment's keys and values `[kv_heads, G, dim]`."""
+        if self.group_len == 0:
+            return None
+        if self.group_run is not None:
+            run = self.group_run
+            return [(run.keys(i, 0, self.group_len), run.values(i, 0, self.group_len))
+                    for i in range(len(run.pool.keys))]
+        assert self.entry is not None
+        return [(layer.keys[0], layer.values[0]) for layer in self.entry.layers]
+
+    def next_chunk(self, chunk_tokens: int) -> tuple[int, int]:
+        """The next prompt chunk `[start, end)`: boundaries at multiples of `chunk_tokens` from the
+        start of the segment being filled, and at the segment's end, whatever the schedule."""
+        if self.phase is Phase.GROUP:
+            seg_start, seg_end = 0, self.group_len
+        else:
+            seg_start, seg_end = self.group_len, len(self.prompt)
+        start = self.computed
+        end = min(seg_end, seg_start + ((start - seg_start) // chunk_tokens + 1) * chunk_tokens)
+        return start, end
+
+    def row(self, new_tokens: int) -> RowKV:
+        """Where this sequence's next `new_tokens` go."""
+        if self.phase is Phase.GROUP:
+            assert self.group_run is not None
+            return RowKV(None, self.group_run, self.computed, self.computed)
+        position = self.computed if self.phase is Phase.PROMPT else len(self.prompt) + self.generated - 1
+        return RowKV(self.group_kv(), self.own_run, position - self.group_len, position)
+
+    def release(self) -> None:
+        """Give back every block this sequence holds (its own run, the group it read or wrote)."""
+        self.own_run.release()
+        if self.group_run is not None:
+            self.group_run.release()
+            self.group_run = None
+        if self.entry is not None and self.entry.blocks is not None and self.result == "hit":
+            self.entry.blocks.release()
