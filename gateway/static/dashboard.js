@@ -155,13 +155,14 @@
     set("engine-kv-free", fmt.int(kv.free));
     set("engine-kv-total", fmt.int(kv.total));
     set("engine-kv-block-tokens", kv.block_tokens ? ` × ${plural(kv.block_tokens, "token")}` : "");
-    set("engine-kv-usage", fmt.pct(kv.total ? e.kv_usage : null));
+    set("engine-kv-usage", kv.used > 0 && e.kv_usage < 0.001 ? "<0.1%" : fmt.pct(kv.total ? e.kv_usage : null));
     renderKvBar(kv.total ? kv : null);
   }
 
-  // Sequences' blocks, then cached prefixes' blocks; the rest of the bar is free.
+  // Sequences' blocks, then cached prefixes' blocks; the rest of the bar is free. A share too small
+  // for a pixel (a few blocks of a large pool) still shows, 2px wide.
   function renderKvBar(kv) {
-    const share = (n) => (kv ? `${(100 * Math.min(Math.max(n / kv.total, 0), 1)).toFixed(2)}%` : "0%");
+    const share = (n) => (kv && n > 0 ? `max(2px, ${(100 * Math.min(n / kv.total, 1)).toFixed(2)}%)` : "0px");
     $("engine-kv-bar-seq").style.width = share(kv ? kv.used - kv.cached : 0);
     $("engine-kv-bar-cached").style.width = share(kv ? kv.cached : 0);
     $("engine-kv-bar").dataset.usage = kv ? String(kv.used / kv.total) : "";

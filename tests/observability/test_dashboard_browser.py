@@ -107,10 +107,10 @@ def test_engine_panel_shows_steps_kv_blocks_and_prefix_hits(
     assert PERCENT.fullmatch(engine["prefix-rate"]) and float(engine["prefix-rate"][:-1]) > 0, engine
     assert int(engine["kv-total"]) == int(engine["kv-used"]) + int(engine["kv-free"]) > 0, engine
     assert int(engine["kv-cached"]) > 0, engine  # the cached tool group holds blocks
-    assert PERCENT.fullmatch(engine["kv-usage"]), engine
+    assert re.fullmatch(r"<0\.1%|\d+\.\d%", engine["kv-usage"]), engine  # a large pool holds few blocks
     bar = page.element("engine-kv-bar")
     cached_px = page.element("engine-kv-bar-cached").size["width"]
-    assert 0 < cached_px < bar.size["width"], (cached_px, bar.size)
+    assert 2 <= cached_px < bar.size["width"], (cached_px, bar.size)  # visible, however small its share
     assert float(page.attr("engine-kv-bar", "data-usage")) == pytest.approx(
         int(engine["kv-used"]) / int(engine["kv-total"]))
 
