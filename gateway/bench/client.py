@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ class Sample:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    token_chunks: int = 0  # chunks that carried content or a tool call (tokens when there is no usage)
     error: str | None = None
     server_timing_ms: dict[str, float] | None = None  # from a Server-Timing header, if any
     client_prep_s: float = 0.0  # the client library's work before the first byte was sent
@@ -115,20 +117,29 @@ class BenchClient:
         root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
         return root + path
 
-    async def chat(self, body: dict[str, Any], sample: Sample) -> Sample:
+    async def chat(self, body: dict[str, Any], sample: Sample, on_sent: Callable[[], None] | None = None) -> Sample:
         """Send one streaming request; fill in `sample`'s timings and usage. Raises ContextTooLong.
 
         The clock starts when the request's first byte goes to the socket (httpcore's trace), so
         the client library's own work before that (~3-5 ms for httpx on a slow CPU) is reported
-        apart, as `client_prep_s`, and not charged to the server."""
+        apart, as `client_prep_s`, and not charged to the server. `on_sent` is called once the
+        whole request is on the wire (or once it failed before that)."""
         started = time.perf_counter()
         sample.started_s = started - self.clock_zero
         headers = BYPASS_HEADERS if sample.bypass else None
         wire = [started]
+        sent = [False]
+
+        def mark_sent() -> None:
+            if on_sent is not None and not sent[0]:
+                sent[0] = True
+                on_sent()
 
         async def trace(event: str, info: dict[str, Any]) -> None:
             if event == "http11.send_request_headers.started":
                 wire[0] = time.perf_counter()
+            elif event == "http11.send_request_body.complete":
+                mark_sent()
 
         try:
             async with self._http.stream("POST", self.api_url("/chat/completions"), json=body,
@@ -141,6 +152,8 @@ class BenchClient:
             sample.error = f"{type(exc).__name__}: {exc}"
         except _ServerError as exc:
             sample.error = str(exc)
+        finally:
+            mark_sent()
         sample.client_prep_s = wire[0] - started
         sample.total_s = time.perf_counter() - wire[0]
         return sample
@@ -157,8 +170,10 @@ class BenchClient:
             chunk = json.loads(data)
             if "error" in chunk:
                 raise _ServerError(f"error in stream: {chunk['error'].get('message')}")
-            if sample.ttft_s is None and _has_token(chunk):
-                sample.ttft_s = time.perf_counter() - started
+            if _has_token(chunk):
+                sample.token_chunks += 1
+                if sample.ttft_s is None:
+                    sample.ttft_s = time.perf_counter() - started
             if chunk.get("usage"):
                 _take_usage(sample, chunk["usage"])
 

@@ -64,13 +64,27 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> Plan:
     plan = Plan.quick(args.tools or 10) if args.quick else Plan(tools=args.tools or 20)
     changes: dict[str, Any] = {k: v for k, v in (("requests", args.requests), ("groups", args.groups),
-                                                 ("clients", args.clients)) if v is not None}
+                                                 ("requests_per_client", args.requests_per_client),
+                                                 ("mixed_groups", args.mixed_groups),
+                                                 ("concurrent_max_tokens", args.concurrent_max_tokens),
+                                                 ("compile_tools", args.compile_tools)) if v is not None}
     if args.tool_counts:
-        changes["tool_counts"] = tuple(int(n) for n in args.tool_counts.split(","))
+        changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
+    if args.clients:
+        changes["clients"] = tuple(sorted(set(_int_list("--clients", args.clients))))
     plan = dataclasses.replace(plan, **changes)
-    if min(plan.tools, plan.requests, plan.groups, plan.clients, *plan.tool_counts) < 1:
-        raise ValueError("--tools, --requests, --groups, --clients and --tool-counts must be at least 1")
+    if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
+           plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools) < 1:
+        raise ValueError("--tools, --requests, --groups, --clients, --tool-counts, --requests-per-client, "
+                         "--mixed-groups, --concurrent-max-tokens and --compile-tools must be at least 1")
     return plan
+
+
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"{option} takes a comma list of whole numbers, e.g. 1,4,8 (got {text!r})") from None
 
 
 def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
@@ -117,12 +131,12 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
 
         def on_sample(s: Sample) -> None:
             ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
-            progress.update(task, advance=1, description=f"{s.scenario:<11} last: {s.cache:<6} {ttft:>9}")
+            progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
         ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n))
         results, done = [], 0
         for name in names:
-            progress.update(task, description=f"{name:<11}")
+            progress.update(task, description=f"{name:<15}")
             try:
                 results.append(await SCENARIOS[name].run(ctx))
             except ContextTooLong as exc:

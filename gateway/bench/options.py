@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
-SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent")
+SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap")
 
 
 def register(sub: Any) -> None:
@@ -33,7 +33,17 @@ def register(sub: Any) -> None:
     p.add_argument("--tools", type=int, help="tools per group (default 20; 10 with --quick)")
     p.add_argument("--tool-counts", help="comma list for the toolcount scenario (default 5,10,20,50)")
     p.add_argument("--groups", type=int, help="tool groups in the interleaved scenario (default 3)")
-    p.add_argument("--clients", type=int, help="concurrent clients in the concurrent scenario (default 4)")
+    p.add_argument("--clients", help="comma list of streaming client counts for the concurrent scenario, "
+                                     "each run on one group and on mixed groups (default 1,4,8; 1,4 with --quick)")
+    p.add_argument("--requests-per-client", type=int,
+                   help="requests each concurrent client sends one after another (default 2; 1 with --quick)")
+    p.add_argument("--mixed-groups", type=int,
+                   help="groups the concurrent scenario's mixed-group cases spread over (default 4; 2 with --quick)")
+    p.add_argument("--concurrent-max-tokens", type=int,
+                   help="tokens to generate per concurrent request, for output tokens/s (default 32; 8 with --quick)")
+    p.add_argument("--compile-tools", type=int,
+                   help="tools in the group that compiles during the compile-overlap hits "
+                        "(default 20, ~3,000 tokens; --tools with --quick)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
     p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
                    help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "

@@ -1,4 +1,6 @@
-"""PNG plots of a bench report: TTFT against tool count (miss, hit, floor) and a request timeline.
+"""PNG plots of a bench report: TTFT against tool count (miss, hit, floor), a request timeline,
+and (when the concurrent or compile-overlap scenario ran) concurrency: output tokens/s and hit
+TTFT against clients, and hit TTFT alone vs during another group's compile.
 Uses matplotlib's object API (no pyplot, so no global figure state and no display needed)."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Any
 from matplotlib.ticker import MaxNLocator
 
 COLORS = {"miss": "#d62728", "hit": "#2ca02c", "bypass": "#7f7f7f", "error": "#000000", "floor": "#1f77b4"}
+MODE_COLORS = {"one-group": "#2ca02c", "mixed-groups": "#9467bd"}
 SIZE_SCENARIOS = ("toolcount", "single")  # sequential requests on groups that start at tool 0
 
 
@@ -16,6 +19,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     paths = [out_dir / "ttft_vs_tools.png", out_dir / "timeline.png"]
     _ttft_vs_tools(report, paths[0])
     _timeline(report, paths[1])
+    ran = [n for n in ("concurrent", "compile-overlap") if n in report["scenarios"]
+           and not report["scenarios"][n].get("skipped")]
+    if ran:
+        paths.append(out_dir / "concurrency.png")
+        _concurrency(report, paths[-1])
     return paths
 
 
@@ -114,3 +122,58 @@ def _label_scenarios(ax: Any, samples: list[dict[str, Any]]) -> None:
         ax.axhline(row - 0.5, color="#cccccc", lw=0.8)
         ax.annotate(name, (0, row - 0.5), xycoords=("axes fraction", "data"), fontsize=8, va="top",
                     xytext=(2, -2), textcoords="offset points")
+
+
+def _concurrency(report: dict[str, Any], path: Path) -> None:
+    """Three panels: aggregate output tokens/s against clients, hit TTFT p50 (p95 dashed) against
+    clients, one line per mode; hit TTFT alone, during a compile, and the compile's own TTFT."""
+    fig = _figure(14, 4.5)
+    tokens_ax, ttft_ax, overlap_ax = fig.subplots(1, 3)
+    concurrent = report["scenarios"].get("concurrent", {})
+    cases = [] if concurrent.get("skipped") else concurrent.get("cases", [])
+    for mode in MODE_COLORS:
+        own = sorted((c for c in cases if c["mode"] == mode), key=lambda c: c["clients"])
+        if not own:
+            continue
+        clients = [c["clients"] for c in own]
+        tokens_ax.plot(clients, [c["tokens_per_s"] or 0.0 for c in own], "-", marker="o", color=MODE_COLORS[mode],
+                       label=mode)
+        ttft_ax.plot(clients, [c["hit_ttft_ms"]["p50"] or 0.0 for c in own], "-", marker="o",
+                     color=MODE_COLORS[mode], label=f"{mode} p50")
+        ttft_ax.plot(clients, [c["hit_ttft_ms"]["p95"] or 0.0 for c in own], "--", marker=".",
+                     color=MODE_COLORS[mode], alpha=0.6, label=f"{mode} p95")
+    for ax, title, ylabel in ((tokens_ax, "aggregate output tokens/s", "output tokens / s (all clients)"),
+                              (ttft_ax, "hit TTFT", "time to first token (ms)")):
+        ax.set_title(title)
+        ax.set_xlabel("streaming clients at once")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "concurrent not run", ha="center", transform=ax.transAxes)
+    _overlap_bars(report["scenarios"].get("compile-overlap", {}), overlap_ax)
+    fig.suptitle(f"concurrency: {report.get('model')}")
+    fig.savefig(path)
+
+
+def _overlap_bars(overlap: dict[str, Any], ax: Any) -> None:
+    ax.set_title("hits while another group compiles")
+    ax.set_ylabel("time to first token, p50 (ms, log)")
+    if not overlap or overlap.get("skipped"):
+        ax.text(0.5, 0.5, "compile-overlap not run", ha="center", transform=ax.transAxes)
+        return
+    labels = ["hit alone", "hit during\ncompile", "the compile\n(a miss)"]
+    values = [overlap["hit_alone"]["ttft_ms"]["p50"], overlap["hit_during_compile"]["ttft_ms"]["p50"],
+              overlap["compile_ttft_ms"]]
+    bars = ax.bar(labels, [v or 0.0 for v in values], color=[COLORS["hit"], "#ff7f0e", COLORS["miss"]])
+    if all(values):
+        ax.set_yscale("log")  # the compile is seconds, a hit a few hundred ms
+        ax.set_ylim(bottom=min(v for v in values if v) / 2)
+    ax.bar_label(bars, labels=["-" if v is None else f"{v:,.0f}" for v in values], fontsize=8)
+    ratio = overlap.get("during_over_alone")
+    if ratio is not None:
+        ax.annotate(f"during / alone = {ratio:.2f}x", (0.02, 0.95), xycoords="axes fraction", va="top", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)

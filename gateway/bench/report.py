@@ -1,5 +1,7 @@
 """Numbers from samples: p50/p95 per class (miss, hit, bypass), speedup = miss p50 / hit p50,
-the floor and a hit's overhead above it, the issue's targets; the JSON report and the table."""
+the floor and a hit's overhead above it; per concurrency case hit TTFT and aggregate output
+tokens/s, and the ratios against one client and against hits alone; the issues' targets; the JSON
+report and the tables."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ REPORT_VERSION = 1
 TARGET_SPEEDUP = 15.0
 TARGET_OVERHEAD_MS = 20.0
 TARGET_RESTART_SPEEDUP = 10.0
+# From issue 13 (concurrency), one group: 4 clients' output tokens/s over 1 client's, their hit
+# TTFT p50 over 1 client's, and a hit's TTFT p50 while another group compiles over alone.
+TARGET_TOKENS_SCALING_4 = 2.5
+TARGET_TTFT_RATIO_4 = 2.0
+TARGET_COMPILE_OVERLAP_RATIO = 4.0
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -98,10 +105,73 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
     counts = sorted({s.num_tools for s in result.samples})
     if result.name == "toolcount":  # one block per size: a speedup across sizes means nothing
         out["by_tools"] = {str(n): block([s for s in result.samples if s.num_tools == n], floors) for n in counts}
+    elif result.name == "concurrent":  # per case; warm-up requests are not measured
+        out.update(concurrent_stats(result.samples, result.details.get("cases", [])))
+    elif result.name == "compile-overlap":
+        out.update(overlap_stats(result.samples))
     else:
         out.update(block(result.samples, floors))
     out["samples"] = [s.to_dict() for s in result.samples]
     return out
+
+
+def ttft_stats(samples: list[Sample]) -> dict[str, float | None]:
+    return _spread([s.ttft_s for s in samples if s.ttft_s is not None])
+
+
+def case_stats(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    """One concurrency case: hit TTFT p50/p95 and aggregate output tokens/s over the case's wall
+    time. Tokens are the server's `completion_tokens` (the final usage chunk); a server that sends
+    no usage is counted by content chunks and says so in `tokens_from`."""
+    hits = [s for s in samples if s.cache == "hit"]
+    usage = all(s.completion_tokens is not None for s in samples if s.cache != "error")
+    tokens = sum((s.completion_tokens or 0) if usage else s.token_chunks for s in samples)
+    rates = [r for s in hits if (r := s.decode_tokens_per_s) is not None]
+    return {"n": len(samples), "hits": len(hits), "misses": sum(1 for s in samples if s.cache == "miss"),
+            "errors": sum(1 for s in samples if s.cache == "error"),
+            "hit_ttft_ms": ttft_stats(hits), "total_ms": _spread([s.total_s for s in samples]),
+            "completion_tokens": tokens, "tokens_from": "usage" if usage else "chunks",
+            "tokens_per_s": _round(tokens / wall_s, 2) if wall_s > 0 else None,
+            "requests_per_s": _round(len(samples) / wall_s, 3) if wall_s > 0 else None,
+            "decode_tokens_per_s_per_request_p50": _round(percentile(rates, 50), 2)}
+
+
+def concurrent_stats(samples: list[Sample], cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each case's numbers, each against the same mode's smallest client count (1 by default), and
+    the issue's ratios at 4 clients over 1 per mode."""
+    enriched = []
+    for case in cases:
+        measured = [s for s in samples if s.tags.get("case") == case["case"] and s.tags.get("phase") == "measure"]
+        enriched.append({**case, **case_stats(measured, case["wall_s"])})
+    ratios: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(c["mode"] for c in enriched):  # in the order they ran
+        own = sorted((c for c in enriched if c["mode"] == mode), key=lambda c: c["clients"])
+        base = own[0]
+        for c in own:
+            c["tokens_per_s_vs_base"] = _ratio(c["tokens_per_s"], base["tokens_per_s"])
+            c["hit_ttft_p50_vs_base"] = _ratio(c["hit_ttft_ms"]["p50"], base["hit_ttft_ms"]["p50"])
+            c["base_clients"] = base["clients"]
+        by_clients = {c["clients"]: c for c in own}
+        one, four = by_clients.get(1), by_clients.get(4)
+        ratios[mode] = {
+            "tokens_per_s_4_over_1": _ratio(four["tokens_per_s"], one["tokens_per_s"]) if one and four else None,
+            "hit_ttft_p50_4_over_1": (_ratio(four["hit_ttft_ms"]["p50"], one["hit_ttft_ms"]["p50"])
+                                      if one and four else None)}
+    return {"cases": enriched, "ratios": ratios,
+            "misses_measured": sum(c["misses"] for c in enriched), "errors": sum(c["errors"] for c in enriched)}
+
+
+def overlap_stats(samples: list[Sample]) -> dict[str, Any]:
+    """Hit TTFT alone and while the other group compiled, and their ratio (p50 over p50)."""
+    alone = [s for s in samples if s.tags.get("phase") == "alone" and s.cache == "hit"]
+    during = [s for s in samples if s.tags.get("phase") == "during-compile" and s.tags.get("overlapped")
+              and s.cache == "hit"]
+    alone_ttft, during_ttft = ttft_stats(alone), ttft_stats(during)
+    return {"hit_alone": {"n": len(alone), "ttft_ms": alone_ttft},
+            "hit_during_compile": {"n": len(during), "ttft_ms": during_ttft},
+            "during_over_alone": _ratio(during_ttft["p50"], alone_ttft["p50"]),
+            "during_over_alone_p95": _ratio(during_ttft["p95"], alone_ttft["p95"]),
+            "errors": sum(1 for s in samples if s.cache == "error")}
 
 
 def floor_dict(floor: FloorResult) -> dict[str, Any]:
@@ -128,12 +198,18 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
     if single.get("overhead_from") != "server-timing" and paired.get("paired_overhead_ms", {}).get("p50") is not None:
         overhead = paired["paired_overhead_ms"]["p50"]
     restart_speedup = restart.get("restart_speedup") if restart.get("first_after_restart") == "hit" else None
+    one_group = scenarios.get("concurrent", {}).get("ratios", {}).get("one-group", {})
+    scaling, ttft_ratio = one_group.get("tokens_per_s_4_over_1"), one_group.get("hit_ttft_p50_4_over_1")
+    overlap = scenarios.get("compile-overlap", {}).get("during_over_alone")
     return {
         "hit_speedup_at_least_15x": None if speedup is None else speedup >= TARGET_SPEEDUP,
         "hit_overhead_under_20ms": None if overhead is None else overhead < TARGET_OVERHEAD_MS,
         "interleaved_every_repeat_hits": inter.get("every_repeat_hit"),
         "restart_at_least_10x_faster": (None if restart.get("skipped") or not restart else
                                         restart_speedup is not None and restart_speedup >= TARGET_RESTART_SPEEDUP),
+        "tokens_per_s_4_clients_at_least_2_5x": None if scaling is None else scaling >= TARGET_TOKENS_SCALING_4,
+        "hit_ttft_4_clients_at_most_2x": None if ttft_ratio is None else ttft_ratio <= TARGET_TTFT_RATIO_4,
+        "hit_ttft_during_compile_at_most_4x": None if overlap is None else overlap <= TARGET_COMPILE_OVERLAP_RATIO,
     }
 
 
@@ -152,15 +228,57 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     for column in ("scenario", "tools", "n", "miss", "hit", "bypass", "speedup", "floor", "overhead"):
         table.add_column(column, justify="left" if column == "scenario" else "right", no_wrap=True)
     for name, scenario in report["scenarios"].items():
+        if name in CONCURRENCY_SCENARIOS:
+            continue
         if scenario.get("skipped"):
             table.add_row(name, "", "skipped", *[""] * 6)
             continue
         rows = scenario["by_tools"].items() if "by_tools" in scenario else [("", scenario)]
         for tools, data in rows:
             table.add_row(name, tools or _tools_of(scenario), *_cells(data))
-    console.print(table)
+    if table.rows:
+        console.print(table)
+    concurrency = concurrency_table(report)
+    if concurrency is not None:
+        console.print(concurrency)
     for line in _extra_lines(report):
         console.print(line)
+
+
+CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
+
+
+def concurrency_table(report: dict[str, Any]) -> Table | None:
+    """One row per concurrency case and per compile-overlap phase; None when neither ran."""
+    ran = {n: s for n in CONCURRENCY_SCENARIOS if (s := report["scenarios"].get(n)) and not s.get("skipped")}
+    if not ran:
+        return None
+    table = Table(title="concurrency: streaming clients at once", box=box.SIMPLE, padding=(0, 1, 0, 0),
+                  caption="hit TTFT p50/p95 in ms; n = hits/requests; tok/s = all clients' output tokens / the "
+                          "case's wall time; x1 = over the same mode with the fewest clients (1 by default); "
+                          "hit+compile: hits sent while another group's prefix compiled, x1 = over hits alone")
+    for column in ("case", "clients", "groups", "n", "p50", "p95", "tok/s", "tok/s\nx1", "p50\nx1"):
+        table.add_column(column, justify="left" if column == "case" else "right", no_wrap=True)
+    for c in ran.get("concurrent", {}).get("cases", []):
+        table.add_row(c["mode"], str(c["clients"]), str(c["groups"]), f"{c['hits']}/{c['n']}",
+                      _num(c["hit_ttft_ms"]["p50"]), _num(c["hit_ttft_ms"]["p95"]), _num(c["tokens_per_s"], 1),
+                      _times(c["tokens_per_s_vs_base"]), _times(c["hit_ttft_p50_vs_base"]))
+    if "compile-overlap" in ran:
+        o = ran["compile-overlap"]
+        for label, part, ratio in (("hit alone", o["hit_alone"], None),
+                                   ("hit+compile", o["hit_during_compile"], o["during_over_alone"])):
+            table.add_row(label, "1", "1", str(part["n"]), _num(part["ttft_ms"]["p50"]), _num(part["ttft_ms"]["p95"]),
+                          "-", "-", _times(ratio))
+        table.add_row("compile", "", "", o["compile_cache"], _num(o["compile_ttft_ms"]), "", "", "", "")
+    return table
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _tools_of(scenario: dict[str, Any]) -> str:
@@ -193,9 +311,18 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "
                      f"{r['restart_speedup']}x faster than the miss before it (restart took {r['restart_s']} s)")
     if "concurrent" in s and not s["concurrent"].get("skipped"):
-        c = s["concurrent"]
-        lines.append(f"concurrent: {c['clients']} clients x {c['requests_per_client']} requests in {c['wall_s']} s "
-                     f"({c['requests_per_s']} req/s, {c['completion_tokens_per_s']} completion tokens/s)")
+        for mode, r in s["concurrent"]["ratios"].items():
+            lines.append(f"concurrent, {mode}: output tokens/s at 4 clients / 1 client = "
+                         f"{_times(r['tokens_per_s_4_over_1'])} (target >= {TARGET_TOKENS_SCALING_4}x); "
+                         f"hit TTFT p50 at 4 clients / 1 client = {_times(r['hit_ttft_p50_4_over_1'])} "
+                         f"(target <= {TARGET_TTFT_RATIO_4}x)")
+    if "compile-overlap" in s and not s["compile-overlap"].get("skipped"):
+        o = s["compile-overlap"]
+        lines.append(f"compile-overlap: hit TTFT p50 during a compile / alone = {_times(o['during_over_alone'])} "
+                     f"(target <= {TARGET_COMPILE_OVERLAP_RATIO}x); the compile ({o['compile_group_tools']} tools, "
+                     f"{_num(o['compile_prompt_tokens'])} prompt tokens, a {o['compile_cache']}): TTFT "
+                     f"{_num(o['compile_ttft_ms'])} ms"
+                     + (f", server compile {o['compile_server_ms']:,.0f} ms" if o.get("compile_server_ms") else ""))
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

@@ -1,11 +1,12 @@
-"""The five scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The six scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
-1 single       one tool group, different questions; extra misses on fresh groups; bypass requests
-2 toolcount    one group per tool count (5/10/20/50), skipping counts beyond the model's context
-3 interleaved  K groups sent A, B, C, A, B, C ... (a one-slot cache misses every time here)
-4 restart      warm a group, restart the server, ask again (the disk tier should make it a hit)
-5 concurrent   C clients at once on one warm group
+1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
+2 toolcount        one group per tool count (5/10/20/50), skipping counts beyond the model's context
+3 interleaved      K groups sent A, B, C, A, B, C ... (a one-slot cache misses every time here)
+4 restart          warm a group, restart the server, ask again (the disk tier should make it a hit)
+5 concurrent       1, 4, 8 streaming clients at once, on one warm group and on mixed warm groups
+6 compile-overlap  hits on a warm group alone, then while another group's first request compiles
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ class Plan:
     bypass: int = 3
     groups: int = 3
     rounds: int = 3
-    clients: int = 4
+    clients: tuple[int, ...] = (1, 4, 8)  # one case per count, on one group and on mixed groups
     requests_per_client: int = 2
+    mixed_groups: int = 4  # groups the mixed-group cases spread their clients over
+    concurrent_max_tokens: int = 32  # long enough answers for output tokens/s to mean something
+    compile_tools: int = 20  # the group that compiles during the hits (20 tools: ~3,000 tokens)
+    alone_hits: int = 3  # compile-overlap: hits timed with nothing else running
+    max_hits_during_compile: int = 50
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
-                   groups=2, rounds=2, clients=2, requests_per_client=1)
+                   groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
+                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2)
 
 
 class Restartable(Protocol):
@@ -55,9 +62,10 @@ class Context:
     on_skip: Callable[[int], None]  # planned requests that will not be sent
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
+                   max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
                    **tags: Any) -> Sample:
         sample = Sample(scenario, group.label, group.num_tools, group.offset, expected, bypass, 0.0, tags=tags)
-        await self.client.chat(self.workload.body(group), sample)
+        await self.client.chat(self.workload.body(group, max_tokens, talk=talk), sample, on_sent)
         self.on_sample(sample)
         return sample
 
@@ -146,25 +154,92 @@ async def run_restart(ctx: Context) -> ScenarioResult:
     return result
 
 
+CONCURRENT_MODES = ("one-group", "mixed-groups")
+
+
 async def run_concurrent(ctx: Context) -> ScenarioResult:
+    """For each mode and client count: warm the case's groups (sequential, 1 token each), then
+    start every client at once; each sends `requests_per_client` streaming requests one after
+    another. One group: all clients on the same group. Mixed groups: client c's r-th request goes
+    to group (c + r) mod G, so simultaneous requests are on different groups. Aggregate output
+    tokens/s = completion tokens of the case / its wall time (first send to last token)."""
     name, plan = "concurrent", ctx.plan
-    result = ScenarioResult(name)
-    group = ctx.workload.group("shared", plan.tools)
-    result.samples.append(await ctx.send(name, group, "miss", phase="warm"))
+    result = ScenarioResult(name, details={"cases": []})
+    shared = ctx.workload.group("shared", plan.tools)
+    mixed = [shared] + [ctx.workload.group(f"mixed-{k + 1}", plan.tools, offset=_offset(ctx, k, plan.tools))
+                        for k in range(1, plan.mixed_groups)]
+    for mode in CONCURRENT_MODES:
+        for clients in plan.clients:
+            case = f"{mode}@{clients}"
+            used = min(len(mixed), clients + plan.requests_per_client - 1)  # distinct (c + r) mod G
+            groups = [shared] if mode == "one-group" else mixed[:used]
+            for group in groups:  # a warm group is a cheap hit; a group the LRU evicted is computed again
+                result.samples.append(await ctx.send(name, group, "any", max_tokens=1, phase="warm", case=case))
 
-    async def one_client(client_id: int) -> list[Sample]:
-        return [await ctx.send(name, group, "hit", client=client_id) for _ in range(plan.requests_per_client)]
+            async def one_client(client_id: int, groups: list[ToolGroup] = groups, case: str = case) -> list[Sample]:
+                return [await ctx.send(name, groups[(client_id + r) % len(groups)], "hit", talk=True,
+                                       max_tokens=plan.concurrent_max_tokens, phase="measure", case=case,
+                                       client=client_id)
+                        for r in range(plan.requests_per_client)]
 
-    started = time.perf_counter()
-    batches = await asyncio.gather(*(one_client(c) for c in range(plan.clients)))
-    wall_s = time.perf_counter() - started
-    burst = [s for batch in batches for s in batch]
-    result.samples += burst
-    tokens = sum(s.completion_tokens or 0 for s in burst)
-    result.details.update(clients=plan.clients, requests_per_client=plan.requests_per_client,
-                          wall_s=round(wall_s, 3), requests_per_s=round(len(burst) / wall_s, 3),
-                          completion_tokens_per_s=round(tokens / wall_s, 2))
+            started = time.perf_counter()
+            batches = await asyncio.gather(*(one_client(c) for c in range(clients)))
+            wall_s = time.perf_counter() - started
+            result.samples += [s for batch in batches for s in batch]
+            result.details["cases"].append({"case": case, "mode": mode, "clients": clients,
+                                            "groups": len(groups),
+                                            "requests_per_client": plan.requests_per_client,
+                                            "max_tokens": plan.concurrent_max_tokens, "wall_s": round(wall_s, 3)})
     return result
+
+
+async def run_compile_overlap(ctx: Context) -> ScenarioResult:
+    """Hits on a warm group: first alone (one after another), then while another group's first
+    request (a miss: its prefix compiles) runs. The compile request is sent first; once it is on
+    the wire, hits go out one after another until it returns its first token (it asks for one).
+    A hit counts as during the compile when it was sent before the compile's first token arrived."""
+    name, plan = "compile-overlap", ctx.plan
+    hot = ctx.workload.group("shared", plan.tools)
+    try:
+        fresh = ctx.workload.group("compile", plan.compile_tools, offset=_offset(ctx, 1, plan.compile_tools))
+    except WorkloadError as exc:
+        ctx.on_skip(SCENARIOS[name].planned(plan))
+        return ScenarioResult(name, skipped=str(exc))
+    result = ScenarioResult(name)
+    result.samples.append(await ctx.send(name, hot, "any", max_tokens=1, phase="warm"))
+    for _ in range(plan.alone_hits):
+        result.samples.append(await ctx.send(name, hot, "hit", phase="alone"))
+    on_wire = asyncio.Event()
+    compile_task = asyncio.create_task(ctx.send(name, fresh, "miss", max_tokens=1, on_sent=on_wire.set,
+                                                phase="compile"))
+    waiter = asyncio.create_task(on_wire.wait())
+    await asyncio.wait({compile_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    during: list[Sample] = []
+    while not compile_task.done() and len(during) < plan.max_hits_during_compile:
+        during.append(await ctx.send(name, hot, "hit", phase="during-compile"))
+    compile_sample = await compile_task
+    first_token_at = compile_sample.started_s + (compile_sample.ttft_s or compile_sample.total_s)
+    for s in during:
+        s.tags["overlapped"] = s.started_s < first_token_at
+    result.samples += [compile_sample, *during]
+    result.details.update(
+        compile_group_tools=fresh.num_tools, compile_cache=compile_sample.cache,
+        compile_prompt_tokens=compile_sample.prompt_tokens,
+        compile_ttft_ms=None if compile_sample.ttft_s is None else round(compile_sample.ttft_s * 1000, 1),
+        compile_server_ms=(compile_sample.server_timing_ms or {}).get("compile"))
+    if compile_sample.cache != "miss":
+        result.notes.append(f"the compile request was a {compile_sample.cache}, not a miss: nothing compiled")
+    if not any(s.tags["overlapped"] for s in during):
+        result.notes.append("no hit was sent while the compile ran")
+    return result
+
+
+def _offset(ctx: Context, k: int, tools: int) -> int:
+    """Tool offset of the k-th extra group: its own slice of the catalog when there is room, else 0
+    (the label in the system message still makes it a group of its own)."""
+    room = len(ctx.workload.catalog) - tools
+    return (k * tools) % (room + 1) if room > 0 else 0
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -183,6 +258,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("toolcount", run_toolcount, lambda p: len(p.tool_counts) * (1 + p.hits_per_count)),
     Scenario("interleaved", run_interleaved, lambda p: p.groups * p.rounds),
     Scenario("restart", run_restart, lambda p: 3),
-    Scenario("concurrent", run_concurrent, lambda p: 1 + p.clients * p.requests_per_client),
+    Scenario("concurrent", run_concurrent,
+             lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client),
+    Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

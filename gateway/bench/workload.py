@@ -32,6 +32,9 @@ _QUESTIONS = (
     "Which region had the highest return rate last quarter?",
     "Forecast next month's demand for winter jackets.",
 )
+# Appended to the question where output tokens are measured (the concurrent scenario): the model
+# talks until max_tokens instead of stopping after a sentence, without `ignore_eos`.
+TALK = " Explain your reasoning step by step, in detail, before you answer."
 
 
 class WorkloadError(ValueError):
@@ -88,15 +91,18 @@ class Workload:
                   f"group {label}). Answer briefly; call a tool when it helps.")
         return ToolGroup(label, system, tuple(tools), offset)
 
-    def question(self) -> str:
+    def question(self, *, talk: bool = False) -> str:
         number = next(self._counter)
-        return f"{_QUESTIONS[number % len(_QUESTIONS)]} (ticket {self.run_id}-{number:04d})"
+        question = f"{_QUESTIONS[number % len(_QUESTIONS)]} (ticket {self.run_id}-{number:04d})"
+        return question + TALK if talk else question
 
-    def body(self, group: ToolGroup, max_tokens: int | None = None) -> dict[str, Any]:
-        """A streaming chat request on `group` with a question never sent before in this run."""
+    def body(self, group: ToolGroup, max_tokens: int | None = None, *, talk: bool = False) -> dict[str, Any]:
+        """A streaming chat request on `group` with a question never sent before in this run; `talk`
+        asks for a long answer (for output tokens/s)."""
         system = group.system
         body: dict[str, Any] = {
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": self.question()}],
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": self.question(talk=talk)}],
             "max_tokens": max_tokens or self.max_tokens, "temperature": 0, "seed": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }

@@ -4,7 +4,7 @@ has its structure, the classes come from cached_tokens, and the plots are real P
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +12,9 @@ import pytest
 from PIL import Image
 
 from gateway.cli import main
-from gateway.settings import load_settings
-from tests.support.server import LiveServer, serve
+from tests.support.server import LiveServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def live(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
-                                        "served_model_name": "tiny-llama",
-                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
-    with serve(settings) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +99,10 @@ def test_floor_and_hit_overhead_are_measured(report):
 
 def test_concurrent_clients_all_get_answers(report):
     conc = report[0]["scenarios"]["concurrent"]
-    assert conc["clients"] == 3 and conc["classes"]["hit"]["n"] == 3
-    assert conc["requests_per_s"] > 0
+    assert [(c["mode"], c["clients"]) for c in conc["cases"]] == [("one-group", 3), ("mixed-groups", 3)]
+    for case in conc["cases"]:
+        assert case["hits"] == case["n"] == 3 and case["requests_per_s"] > 0
+    assert conc["ratios"]["one-group"] == {"tokens_per_s_4_over_1": None, "hit_ttft_p50_4_over_1": None}
 
 
 def test_plots_are_png_files(report):

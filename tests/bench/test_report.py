@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from gateway.bench.client import Sample, parse_server_timing
+from gateway.bench.command import _plan
 from gateway.bench.floor import FloorResult
-from gateway.bench.report import block, percentile, targets
+from gateway.bench.options import register
+from gateway.bench.report import block, concurrent_stats, overlap_stats, percentile, targets
 
 
 def sample(ttft_s: float, cached: int | None, *, bypass: bool = False, expected: str = "any",
@@ -65,9 +69,77 @@ def test_server_timing_header_parsing():
 
 def test_targets_are_unknown_when_not_measured():
     assert targets({}) == {"hit_speedup_at_least_15x": None, "hit_overhead_under_20ms": None,
-                           "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None}
+                           "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None,
+                           "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
+                           "hit_ttft_during_compile_at_most_4x": None}
     measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
                         "interleaved": {"every_repeat_hit": True},
                         "restart": {"skipped": None, "first_after_restart": "miss", "restart_speedup": 1.1}})
     assert measured == {"hit_speedup_at_least_15x": True, "hit_overhead_under_20ms": True,
-                        "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False}
+                        "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False,
+                        "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
+                        "hit_ttft_during_compile_at_most_4x": None}
+
+
+def conc(case: str, ttft_s: float, tokens: int | None, *, cached: int = 2990, chunks: int = 0,
+         phase: str = "measure") -> Sample:
+    return Sample("concurrent", "shared", 20, 0, "hit", False, 0.0, ttft_s=ttft_s, total_s=ttft_s + 3.0,
+                  prompt_tokens=3040, cached_tokens=cached, completion_tokens=tokens, token_chunks=chunks,
+                  tags={"phase": phase, "case": case})
+
+
+def test_concurrent_cases_tokens_per_s_and_ratios_against_one_client():
+    samples = [conc("one-group@1", 0.4, 1, phase="warm"), conc("one-group@1", 0.40, 32), conc("one-group@1", 0.44, 32),
+               *(conc("one-group@4", t, 32) for t in (0.5, 0.9, 1.3, 1.7)),
+               conc("one-group@4", 9.0, 32, cached=0)]  # a miss: counted, not in the hit TTFT
+    cases = [{"case": "one-group@1", "mode": "one-group", "clients": 1, "wall_s": 8.0},
+             {"case": "one-group@4", "mode": "one-group", "clients": 4, "wall_s": 10.0}]
+    out = concurrent_stats(samples, cases)
+    one, four = out["cases"]
+    assert one["n"] == 2 and one["hits"] == 2 and one["completion_tokens"] == 64  # the warm-up is not measured
+    assert one["tokens_per_s"] == 8.0 and one["hit_ttft_ms"]["p50"] == 420.0
+    assert four["n"] == 5 and four["hits"] == 4 and four["misses"] == 1 and out["misses_measured"] == 1
+    assert four["tokens_per_s"] == 16.0 and four["hit_ttft_ms"]["p50"] == 1100.0
+    assert four["tokens_per_s_vs_base"] == 2.0 and four["hit_ttft_p50_vs_base"] == pytest.approx(1100 / 420, abs=0.01)
+    assert out["ratios"]["one-group"] == {"tokens_per_s_4_over_1": 2.0, "hit_ttft_p50_4_over_1": 2.62}
+    checked = targets({"concurrent": out})
+    assert checked["tokens_per_s_4_clients_at_least_2_5x"] is False
+    assert checked["hit_ttft_4_clients_at_most_2x"] is False
+
+
+def test_tokens_come_from_content_chunks_when_the_server_sends_no_usage():
+    samples = [conc("one-group@1", 0.4, None, chunks=30), conc("one-group@1", 0.4, None, chunks=20)]
+    out = concurrent_stats(samples, [{"case": "one-group@1", "mode": "one-group", "clients": 1, "wall_s": 5.0}])
+    assert out["cases"][0]["tokens_from"] == "chunks" and out["cases"][0]["tokens_per_s"] == 10.0
+    assert out["ratios"]["one-group"]["tokens_per_s_4_over_1"] is None  # no 4-client case
+
+
+def test_compile_overlap_ratio_is_during_p50_over_alone_p50():
+    def hit(ttft_s: float, phase: str, overlapped: bool = True) -> Sample:
+        return Sample("compile-overlap", "shared", 20, 0, "hit", False, 0.0, ttft_s=ttft_s, cached_tokens=2990,
+                      tags={"phase": phase, "overlapped": overlapped})
+
+    samples = [hit(0.4, "warm"), hit(0.40, "alone"), hit(0.42, "alone"), hit(0.44, "alone"),
+               hit(1.0, "during-compile"), hit(1.4, "during-compile"),
+               hit(0.3, "during-compile", overlapped=False)]  # sent after the compile's first token
+    out = overlap_stats(samples)
+    assert out["hit_alone"] == {"n": 3, "ttft_ms": {"p50": 420.0, "p95": 438.0}}
+    assert out["hit_during_compile"]["n"] == 2 and out["hit_during_compile"]["ttft_ms"]["p50"] == 1200.0
+    assert out["during_over_alone"] == pytest.approx(1200 / 420, abs=0.01)
+    assert targets({"compile-overlap": out})["hit_ttft_during_compile_at_most_4x"] is True
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["bench", "--base-url", "http://127.0.0.1:1", *argv])
+
+
+def test_clients_option_is_a_comma_list():
+    assert _plan(_args()).clients == (1, 4, 8) and _plan(_args("--quick")).clients == (1, 4)
+    plan = _plan(_args("--clients", "8,1,4,4", "--requests-per-client", "3", "--concurrent-max-tokens", "64"))
+    assert plan.clients == (1, 4, 8) and plan.requests_per_client == 3 and plan.concurrent_max_tokens == 64
+    assert _plan(_args("--clients", "3")).clients == (3,)
+    for bad in ("0,4", "1,x"):
+        with pytest.raises(ValueError, match="--clients"):
+            _plan(_args("--clients", bad))
