@@ -5,6 +5,7 @@ request's tool group is, so later chat requests with the same system prompt and 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from adapters.base import ChatMessage, ToolGroup, ToolSpec
 from gateway.engine import Engine
 from gateway.errors import BadRequest, ContextLengthExceeded
+from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import EntryInfo
 from gateway.nesting import TooDeep, check_nesting
@@ -74,16 +76,22 @@ def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
     return WarmPlan(service.engine.key_for(ids[:prefix_len]), rendered.group)
 
 
-def compile_plan(engine: Engine, plan: WarmPlan) -> Warmed:
-    """Look the group up (RAM, disk) and compute it if absent. Runs on the engine thread."""
-    found = engine.store.lookup(plan.key)
-    if found is not None:
-        entry, compile_s = found.entry, 0.0
-    else:
-        entry = engine.compile_prefix(plan.key, plan.group.group_id, plan.group.tool_names)
-        compile_s = entry.compile_s
-    return Warmed(plan.key.digest, entry.group_id, entry.tool_names, entry.num_tokens,
-                  entry.num_bytes, compile_s, already_cached=found is not None)
+def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:
+    """Look the group up (RAM, disk) and compute it if absent, on the engine's step loop (other
+    requests keep decoding meanwhile). Raises QueueFull."""
+    warmed: Future[Warmed] = Future()
+
+    def done(future: Future[tuple[CacheEntry, bool]]) -> None:
+        try:
+            entry, already = future.result()
+        except Exception as exc:
+            warmed.set_exception(exc)
+            return
+        warmed.set_result(Warmed(plan.key.digest, entry.group_id, entry.tool_names, entry.num_tokens,
+                                 entry.num_bytes, 0.0 if already else entry.compile_s, already_cached=already))
+
+    engine.warm(plan.key, plan.group.group_id, plan.group.tool_names).add_done_callback(done)
+    return warmed
 
 
 def entry_dict(info: EntryInfo) -> dict[str, Any]:

@@ -131,11 +131,11 @@ def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str
 
 
 def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warmed:
-    from gateway.cache_admin import compile_plan, plan_warm
+    from gateway.cache_admin import plan_warm, warm_plan
 
     try:
         plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
-        warmed: Warmed = runtime.engine.call(lambda: compile_plan(runtime.engine, plan)).result()
+        warmed: Warmed = warm_plan(runtime.engine, plan).result()
         return warmed
     except APIError as exc:
         raise CliError(exc.message, EXIT_FAILURE) from None

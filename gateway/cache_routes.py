@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from gateway.cache_admin import WarmRequest, compile_plan, entry_dict, plan_warm
+from gateway.cache_admin import WarmRequest, entry_dict, plan_warm, warm_plan
 from gateway.engine import QueueFull
 from gateway.errors import (
     BadRequest,
@@ -42,7 +42,7 @@ async def warm(request: Request) -> JSONResponse:
     plan = await asyncio.to_thread(lambda: plan_warm(runtime.service, _warm_request(raw), settings.max_tools,
                                                      settings.max_schema_depth))
     try:
-        future = runtime.engine.call(lambda: compile_plan(runtime.engine, plan))
+        future = warm_plan(runtime.engine, plan)
     except QueueFull:
         raise Overloaded("the server is busy: too many requests are queued; retry shortly",
                          headers={"Retry-After": "1"}) from None

@@ -76,7 +76,7 @@ class FloorProbe:
         if job.prefix_len < self.engine.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
             raise FloorError(f"no cacheable prefix ({job.prefix_len} tokens)")
         key = self.engine.key_for(job.prompt_ids[: job.prefix_len])
-        return self.engine.call(lambda: self.engine.compile_prefix(key, job.group_id, job.tool_names)).result()
+        return self.engine.warm(key, job.group_id, job.tool_names).result()[0]
 
     def time_hit(self, entry: Any, job: Any) -> tuple[float, float]:
         """(restore ms, restore + suffix prefill ms), timed on the engine thread."""

@@ -51,7 +51,7 @@ from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.kvcache.entry import CacheEntry, LayerKV
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
-from gateway.sampling import Sampler, TextStream, all_finite
+from gateway.sampling import Sampler, SamplingParams, TextStream, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +131,18 @@ class Engine:
         return task.future
 
     def warm(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> Future[tuple[CacheEntry, bool]]:
-        """Make sure the group `key` is cached (RAM, disk, or computed now); the future gives the
-        entry and whether it was already cached."""
-        def run() -> tuple[CacheEntry, bool]:
-            found = self.store.lookup(key)
-            if found is not None:
-                return found.entry, True
-            return self.compile_prefix(key, group_id, tool_names), False
-        return self.call(run)
+        """Make sure the group `key` (in the shared namespace) is cached: found in RAM or on disk,
+        or computed like a request's group, in chunks between other requests' steps. The future
+        gives the entry and whether it was cached already. Raises QueueFull."""
+        future: Future[tuple[CacheEntry, bool]] = Future()
+        job = Job(list(key.token_ids), len(key.token_ids), SamplingParams(max_tokens=1), emit=lambda _: None,
+                  group_id=group_id, tool_names=tool_names, warm=future)
+        job.submitted = time.perf_counter()
+        try:
+            self._intake.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+        return future
 
     def stats(self) -> EngineStats:
         cached = sum(self.pool.blocks_for(e.num_tokens) for e in self.store.ram.entries() if e.blocks is not None)
@@ -166,24 +170,6 @@ class Engine:
             self.identity.model_fingerprint, self.identity.tokenizer_fingerprint,
             self.identity.adapter_version, salt)
         return PrefixKey.of(identity, prefix_ids)
-
-    def compile_prefix(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> CacheEntry:
-        """Compute a group's KV into the pool and store it, in the same chunks a request computes
-        it in. Engine thread only (warming; between steps)."""
-        started = time.perf_counter()
-        run = self._allocate(len(key.token_ids))
-        if run is None:
-            raise TooLarge("the KV pool has no room for this tool group now")
-        try:
-            prompt = list(key.token_ids)
-            done = 0
-            while done < len(prompt):
-                end = min(len(prompt), (done // self.scheduler.chunk_tokens + 1) * self.scheduler.chunk_tokens)
-                self.runner.prefill(prompt[done:end], RowKV(None, run, done, done))
-                done = end
-            return self._store_group(key, run, group_id, tool_names, time.perf_counter() - started)
-        finally:
-            run.release()
 
     def prefill_over(self, entry: CacheEntry, suffix_ids: list[int]) -> None:
         """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks,
@@ -261,7 +247,8 @@ class Engine:
                 self._fail_job(job, exc)
                 continue
             self._held.remove(job)
-            self._running.append(seq)
+            if seq is not None:
+                self._running.append(seq)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.job.cancelled.is_set()]:
@@ -285,8 +272,10 @@ class Engine:
         return self.pool.blocks_for(job.prefix_len) + self.pool.blocks_for(
             len(job.prompt_ids) - job.prefix_len + job.params.max_tokens)
 
-    def _sequence_for(self, job: Job, recompute: bool = False) -> Sequence:
-        """A running sequence for `job` with all its blocks, or _Hold."""
+    def _sequence_for(self, job: Job, recompute: bool = False) -> Sequence | None:
+        """A running sequence for `job` with all its blocks (None: nothing to run), or _Hold."""
+        if job.warm is not None:
+            return self._warm_sequence(job)
         admitted = time.perf_counter()
         cacheable = self.min_prefix_tokens <= job.prefix_len < len(job.prompt_ids)
         group_len = job.prefix_len if cacheable else 0
@@ -329,6 +318,28 @@ class Engine:
             self.prefix_query_tokens += len(job.prompt_ids)
             if result == "hit":
                 self.prefix_hit_tokens += group_len
+        return seq
+
+    def _warm_sequence(self, job: Job) -> Sequence | None:
+        """A sequence that only computes and stores its group; None when the group is cached."""
+        assert job.warm is not None
+        key = self.key_for(job.prompt_ids)
+        if key.digest in self._compiling:
+            raise _Hold
+        found = self.store.lookup(key)
+        if found is not None:
+            job.warm.set_result((found.entry, True))
+            return None
+        group_run = self._allocate(len(key.token_ids))
+        own_run = self._allocate(1) if group_run is not None else None
+        if group_run is None or own_run is None:
+            if group_run is not None:
+                group_run.release()
+            raise _Hold
+        seq = Sequence(job, len(key.token_ids), "miss", own_run, Sampler(job.params),
+                       TextStream(self.tokenizer, (), self.special_ids), key=key, group_run=group_run,
+                       phase=Phase.GROUP, compile_started=time.perf_counter())
+        self._compiling[key.digest] = seq
         return seq
 
     def _lookup(self, key: PrefixKey) -> tuple[CacheEntry | None, str | None]:
@@ -405,6 +416,9 @@ class Engine:
         assert seq.group_run is not None
         self._compiling.pop(seq.key.digest, None)
         seq.entry = self._store_group(seq.key, seq.group_run, seq.job.group_id, seq.job.tool_names, seq.compile_s)
+        if seq.job.warm is not None:
+            self._retire(seq)
+            seq.job.warm.set_result((seq.entry, False))
 
     def _store_group(self, key: PrefixKey, run: BlockRun, group_id: str, tool_names: tuple[str, ...],
                      compile_s: float) -> CacheEntry:
@@ -435,7 +449,9 @@ class Engine:
         """Start `seq` again, computing its group privately (its cached copy was bad)."""
         self._retire(seq)
         try:
-            self._running.append(self._sequence_for(seq.job, recompute=True))
+            again = self._sequence_for(seq.job, recompute=True)
+            if again is not None:
+                self._running.append(again)
         except _Hold:
             self._held.insert(0, seq.job)
 
@@ -485,6 +501,9 @@ class Engine:
 
     def _fail_job(self, job: Job, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
+        if job.warm is not None:
+            job.warm.set_exception(exc)
+            return
         # The client sees no exception text: it may hold a path or other server detail.
         job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
 

@@ -65,6 +65,9 @@ class Job:
     # (at most FIRST_TOKEN_HANDOFF_S) before the next forward, so the event loop has the CPU and
     # the GIL while it sends the first token. None: nobody waits on the first token.
     first_token_sent: threading.Event | None = None
+    # A warm-up: compute and store the group (the whole prompt) and generate nothing; the future
+    # gets the entry and whether it was cached already.
+    warm: Future[Any] | None = None
 
 
 class QueueFull(Exception):

@@ -81,3 +81,31 @@ def test_streamed_hit_equals_the_non_streamed_hit(client, tools20, openai_schema
     assert text == whole.choices[0].message.content
     usage = chunks[-1].usage
     assert usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens > 2000
+
+
+def test_the_parity_set_sent_at_once_equals_each_query_alone_without_the_cache(client):
+    """Continuous batching on the real model: tau-bench retail's parity queries sent 8 at a time
+    (hits, batched together) give exactly what each gives alone as a plain full prefill."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
+
+    tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
+
+    def run(query: str, **extra):
+        response = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", tools=tools, temperature=0, max_tokens=32,
+            messages=[{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": query}], **extra)
+        choice = response.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        return choice.message.content, calls, choice.finish_reason, response.usage.prompt_tokens_details.cached_tokens
+
+    queries = [q.query for q in RETAIL_QUERIES]
+    run(queries[0])  # the group is compiled once, before the batch
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(run, queries))
+    assert all(cached > 1000 for *_, cached in together)  # every one was a hit
+    for query, batched in zip(queries, together, strict=True):
+        alone = run(query, extra_headers={"X-Toolkv-Cache": "bypass"})
+        assert batched[:3] == alone[:3], query

@@ -144,3 +144,17 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_blocks(runtime_for, 
     asyncio.run(main())
     assert runtime.engine.pool.num_used == held
     assert runtime.engine.stats().cancelled_total == 1
+
+
+def test_warming_a_group_does_not_stop_the_requests_running(runtime_for, merchant_tools):
+    """Warm-up compiles in chunks on the step loop: a request sent after it finishes first."""
+    from gateway.cache_admin import WarmRequest, plan_warm, warm_plan
+
+    runtime = runtime_for("llama", prefill_chunk_tokens=16)
+    plan = plan_warm(runtime.service, WarmRequest.model_validate({"tools": merchant_tools[10:35]}), 256)
+    warmed = warm_plan(runtime.engine, plan)
+    run = generate(runtime, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+    assert run.finished.completion_tokens == 4
+    assert not warmed.done()
+    assert warmed.result(timeout=300).already_cached is False
+    assert warm_plan(runtime.engine, plan).result(timeout=60).already_cached is True
