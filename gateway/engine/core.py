@@ -443,6 +443,9 @@ class Engine:
                            now - seq.admitted_at, seq.forward_s,
                            seq.admitted_at - job.submitted if job.submitted else 0.0, seq.lookup_s))
         seq.phase = Phase.DECODE
+        if job.params.max_tokens <= 0:  # the answer is wholly forced (e.g. a call with no arguments)
+            self._finish(seq, "length", 0)
+            return
         self._advance(seq, logits)
 
     def _recompute(self, seq: Sequence) -> None:
