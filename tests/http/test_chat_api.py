@@ -91,7 +91,8 @@ def server_timing(header: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_cache_result_and_server_timing_headers(client, merchant_tools, stream):
-    """What a hit spent where: no compile, no restore (it reads the group in place), and the model's own prefill of the suffix."""
+    """What a hit spent where: no compile, no restore (it reads the group in place), and the
+    model's own prefill of the suffix."""
     args = dict(model="tiny-llama", tools=merchant_tools[10 + stream : 16], tool_choice="none", temperature=0,
                 max_tokens=3, stream=stream)
     seen = []

@@ -25,15 +25,15 @@ class ExplodingModel:
 
 
 def test_exception_in_generation_ends_that_request_only(live):
-    engine = live.app.state.runtime.engine
-    real = engine.model
-    engine.model = ExplodingModel(real)
+    runner = live.app.state.runtime.engine.runner  # the one place the engine calls the model
+    real = runner.model
+    runner.model = ExplodingModel(real)
     try:
         whole = httpx.post(live.api_url + "/chat/completions", json=HI, timeout=60)
         with httpx.stream("POST", live.api_url + "/chat/completions", json=dict(HI, stream=True), timeout=60) as resp:
             events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     finally:
-        engine.model = real
+        runner.model = real
     assert whole.status_code == 500
     assert whole.json()["error"]["code"] == "generation_failed"
     assert "simulated device failure" not in whole.json()["error"]["message"]  # no internals to clients
