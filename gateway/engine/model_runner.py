@@ -17,9 +17,10 @@ And why it never depends on the cache: a sequence's KV is always two segments, i
 fixed by position (multiples of `chunk_tokens` inside each segment). A hit, a miss and a bypass
 therefore run exactly the same operations on the same numbers.
 
-Attention is computed from the pool's strided views without copying them: scores per segment
-(`q @ k^T`, grouped-query heads folded so KV heads are never repeated), one softmax over the
-concatenated scores, then `probs @ v` per segment, summed in segment order.
+A decode step's attention reads the pool's strided views without copying them (scores per
+segment, one softmax, `probs @ v` per segment); a prompt chunk's runs torch's fused SDPA over the
+segments joined into one contiguous copy. Which of the two runs depends only on the chunk's
+length, never on the cache or the batch.
 """
 
 from __future__ import annotations
@@ -55,10 +56,9 @@ class RowKV:
     def group_len(self) -> int:
         return self.group[0][0].shape[1] if self.group else 0
 
-    def mask(self, new_tokens: int, window: int | None, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor | None:
-        """Additive mask `[n, all keys]` (causal inside the chunk, plus the sliding window), or
-        None when every key is visible to every query."""
+    def hidden(self, new_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """`[n, all keys]`, True where a query may not see a key (causal inside the chunk, and the
+        sliding window); None when every key is visible to every query."""
         if window in self._masks:
             return self._masks[window]
         total = self.group_len + self.own_len + new_tokens
@@ -67,11 +67,9 @@ class RowKV:
         hidden = key_pos > query_pos
         if window is not None:
             hidden |= query_pos - key_pos >= window
-        mask = None
-        if bool(hidden.any()):
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
-        self._masks[window] = mask
-        return mask
+        found = hidden if bool(hidden.any()) else None
+        self._masks[window] = found
+        return found
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,9 +80,7 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     `[B, Hk, n, D]`; returns `[B, n, Hq, D]`. Writes the new keys/values into each row's run."""
     rows: list[RowKV] = kwargs[_ROWS_KWARG]
     layer: int = module.layer_idx  # type: ignore[assignment]
-    _, q_heads, new, dim = query.shape
-    kv_heads = key.shape[1]
-    group = q_heads // kv_heads
+    new, dim = query.shape[2], query.shape[3]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     outputs = []
     for b, row in enumerate(rows):
@@ -93,21 +89,46 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         row.own.values(layer, row.own_len, end).copy_(value[b])
         segments = [*(row.group[layer:layer + 1] if row.group else ()),
                     (row.own.keys(layer, 0, end), row.own.values(layer, 0, end))]
-        q = query[b].reshape(kv_heads, group * new, dim)
-        scores = torch.cat([torch.matmul(q, k.transpose(1, 2)) for k, _ in segments], dim=-1) * scale
-        mask = row.mask(new, sliding_window, scores.dtype, scores.device)
-        if mask is not None:
-            total = scores.shape[-1]
-            scores = (scores.view(kv_heads, group, new, total) + mask).view(kv_heads, group * new, total)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        out, offset = None, 0
-        for k, v in segments:
-            part = torch.matmul(probs[:, :, offset: offset + k.shape[1]], v)
-            out = part if out is None else out + part
-            offset += k.shape[1]
-        assert out is not None
-        outputs.append(out.view(q_heads, new, dim).transpose(0, 1))
+        hidden = row.hidden(new, sliding_window, query.device)
+        if new == 1:
+            out = _attend_in_place(query[b], segments, hidden, scale)
+        else:
+            out = _attend_chunk(query[b], segments, hidden, scale)
+        outputs.append(out.transpose(0, 1))
     return torch.stack(outputs), None
+
+
+def _attend_in_place(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
+                     hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One token's attention `[Hq, 1, D]` read straight from the segments' strided views: scores
+    per segment with grouped-query heads folded (KV heads are never repeated), one softmax over
+    them all, `probs @ v` per segment summed in order. Nothing is copied."""
+    q_heads, new, dim = query.shape
+    kv_heads = segments[0][0].shape[0]
+    q = query.reshape(kv_heads, (q_heads // kv_heads) * new, dim)
+    scores = torch.cat([torch.matmul(q, k.transpose(1, 2)) for k, _ in segments], dim=-1) * scale
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out, offset = None, 0
+    for k, v in segments:
+        part = torch.matmul(probs[:, :, offset: offset + k.shape[1]], v)
+        out = part if out is None else out + part
+        offset += k.shape[1]
+    assert out is not None
+    return out.view(q_heads, new, dim)
+
+
+def _attend_chunk(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
+                  hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A prompt chunk's attention `[Hq, n, D]`: torch's fused SDPA over the segments joined into
+    one contiguous copy (a chunk's scores are too big to materialize at every layer)."""
+    keys = torch.cat([k for k, _ in segments], dim=1)[None]
+    values = torch.cat([v for _, v in segments], dim=1)[None]
+    mask = None if hidden is None else ~hidden
+    out = nn.functional.scaled_dot_product_attention(query[None], keys, values, attn_mask=mask, scale=scale,
+                                                     enable_gqa=True)
+    return out[0]
 
 
 def _rowwise_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
