@@ -7,8 +7,8 @@ The step loop (`_run`), in order:
    reserve blocks for the rest (evicting unused cached groups if the pool is full; a job that does
    not fit yet waits, one that never can is refused at submit);
 3. drop sequences whose client went away, freeing their blocks at once;
-4. run one step: one batched forward over every decoding sequence's next token, and prompt chunks
-   within the step's token budget (scheduler.py);
+4. run one step: prompt chunks within the step's token budget (scheduler.py), then one batched
+   forward over every decoding sequence's next token;
 5. sample per sequence, emit its text, and finish sequences that are done.
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
@@ -257,11 +257,10 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
+        for seq, start, end in plan.prefill:  # first: a new request's first token waits for no decode
+            self._prefill(seq, start, end)
         if plan.decode:
             self._decode(plan.decode)
-        for seq, start, end in plan.prefill:
-            if seq in self._running:
-                self._prefill(seq, start, end)
         self.num_steps += 1
         self._steps.add(StepRecord(len(plan.decode) + len(plan.prefill), plan.num_tokens,
                                    time.perf_counter() - started))
