@@ -80,13 +80,19 @@ def build_family_model(setup: FamilySetup, base_tokenizer_dir: Path, target: Pat
 def script_model(model: Any, tokenizer: Any) -> None:
     """Make `model` write the last ⟦script⟧ of its prompt (see the module docstring)."""
     inner = model.forward
-    state: dict[str, Any] = {"tokens": None, "step": 0}
+    state: dict[str, Any] = {"tokens": None, "step": 0, "prompt": [], "end": -1}
 
     def forward(*args: Any, input_ids: Any, **kwargs: Any) -> Any:
         out = inner(*args, input_ids=input_ids, **kwargs)
-        if input_ids.shape[1] > 1:  # a prefill (a prefix alone holds no user text: no script)
-            state["tokens"], state["step"] = _script_tokens(tokenizer, input_ids[0].tolist()), 0
+        positions = kwargs.get("position_ids")
+        start = int(positions[0, 0]) if positions is not None else 0
+        if input_ids.shape[1] > 1 or start != state["end"]:  # a prompt chunk (the engine prefills in
+            # chunks: the text so far is the chunks since position 0, or since a hit's cut)
+            state["prompt"] = (state["prompt"] if start == state["end"] else []) + input_ids[0].tolist()
+            state["end"] = start + input_ids.shape[1]
+            state["tokens"], state["step"] = _script_tokens(tokenizer, state["prompt"]), 0
         else:
+            state["end"] += 1
             state["step"] += 1
         tokens = state["tokens"]
         if tokens is not None:
