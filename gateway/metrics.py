@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 if TYPE_CHECKING:  # the engine package imports torch; metrics need only its report's shape
     from gateway.engine.stats import EngineStats, StepRecord
@@ -33,6 +33,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. (Linux; nothing elsewhere)
         self.requests = Counter("toolkv_requests_total", "Chat completion requests by HTTP status",
                                 ["status", "stream"], registry=r)
         self.cache_lookups = Counter("toolkv_cache_lookups_total",

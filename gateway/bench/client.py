@@ -113,6 +113,18 @@ class BenchClient:
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
 
+    async def resident_mb(self) -> float | None:
+        """The server's resident memory from its /metrics (`process_resident_memory_bytes`), in
+        MB; None when the server does not export it."""
+        try:
+            resp = await self._http.get(self.base_url.removesuffix("/v1") + "/metrics")
+        except httpx.HTTPError:
+            return None
+        for line in resp.text.splitlines() if resp.status_code == 200 else ():
+            if line.startswith("process_resident_memory_bytes "):
+                return round(float(line.split()[1]) / 1e6, 1)
+        return None
+
     def api_url(self, path: str) -> str:
         root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
         return root + path

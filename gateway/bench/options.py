@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
-SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap")
+SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak")
 
 
 def register(sub: Any) -> None:

@@ -28,6 +28,7 @@ TARGET_RESTART_SPEEDUP = 10.0
 TARGET_TOKENS_SCALING_4 = 2.5
 TARGET_TTFT_RATIO_4 = 2.0
 TARGET_COMPILE_OVERLAP_RATIO = 4.0
+TARGET_RSS_GROWTH = 0.05  # soak: RSS from 10% to 100% of the run grows by at most this share
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -109,6 +110,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(concurrent_stats(result.samples, result.details.get("cases", [])))
     elif result.name == "compile-overlap":
         out.update(overlap_stats(result.samples))
+    elif result.name == "soak":  # about memory: the samples' timings are in `samples`
+        out["errors"] = sum(1 for s in result.samples if s.cache == "error")
     else:
         out.update(block(result.samples, floors))
     out["samples"] = [s.to_dict() for s in result.samples]
@@ -201,6 +204,8 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
     one_group = scenarios.get("concurrent", {}).get("ratios", {}).get("one-group", {})
     scaling, ttft_ratio = one_group.get("tokens_per_s_4_over_1"), one_group.get("hit_ttft_p50_4_over_1")
     overlap = scenarios.get("compile-overlap", {}).get("during_over_alone")
+    soak = scenarios.get("soak", {})
+    growth, first = soak.get("rss_growth_mb"), soak.get("rss_first_mb")
     return {
         "hit_speedup_at_least_15x": None if speedup is None else speedup >= TARGET_SPEEDUP,
         "hit_overhead_under_20ms": None if overhead is None else overhead < TARGET_OVERHEAD_MS,
@@ -210,6 +215,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "tokens_per_s_4_clients_at_least_2_5x": None if scaling is None else scaling >= TARGET_TOKENS_SCALING_4,
         "hit_ttft_4_clients_at_most_2x": None if ttft_ratio is None else ttft_ratio <= TARGET_TTFT_RATIO_4,
         "hit_ttft_during_compile_at_most_4x": None if overlap is None else overlap <= TARGET_COMPILE_OVERLAP_RATIO,
+        "rss_flat_over_soak": None if growth is None or not first else growth <= TARGET_RSS_GROWTH * first,
     }
 
 
@@ -228,7 +234,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     for column in ("scenario", "tools", "n", "miss", "hit", "bypass", "speedup", "floor", "overhead"):
         table.add_column(column, justify="left" if column == "scenario" else "right", no_wrap=True)
     for name, scenario in report["scenarios"].items():
-        if name in CONCURRENCY_SCENARIOS:
+        if name in OWN_LINE_SCENARIOS:
             continue
         if scenario.get("skipped"):
             table.add_row(name, "", "skipped", *[""] * 6)
@@ -246,6 +252,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak")  # reported on lines of their own, not in the main table
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -323,6 +330,12 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
                      f"{_num(o['compile_prompt_tokens'])} prompt tokens, a {o['compile_cache']}): TTFT "
                      f"{_num(o['compile_ttft_ms'])} ms"
                      + (f", server compile {o['compile_server_ms']:,.0f} ms" if o.get("compile_server_ms") else ""))
+    if "soak" in s and not s["soak"].get("skipped"):
+        k = s["soak"]
+        shown = ", ".join(f"{r['rss_mb']:,.0f}" for r in k["rss_mb"] if r["rss_mb"] is not None)
+        lines.append(f"soak: {k['requests']:,} requests over {k['groups']} groups from {k['clients']} clients, "
+                     f"{k['errors']} errors; server RSS (MB) every 10%: {shown}; growth "
+                     f"{_num(k['rss_growth_mb'])} MB (target: at most {TARGET_RSS_GROWTH:.0%})")
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

@@ -1,4 +1,4 @@
-"""The six scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The seven scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
@@ -7,6 +7,7 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 4 restart          warm a group, restart the server, ask again (the disk tier should make it a hit)
 5 concurrent       1, 4, 8 streaming clients at once, on one warm group and on mixed warm groups
 6 compile-overlap  hits on a warm group alone, then while another group's first request compiles
+7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ class Plan:
     compile_tools: int = 20  # the group that compiles during the hits (20 tools: ~3,000 tokens)
     alone_hits: int = 3  # compile-overlap: hits timed with nothing else running
     max_hits_during_compile: int = 50
+    soak_requests: int = 1000
+    soak_groups: int = 8
+    soak_tools: int = 5  # small groups: the soak measures memory over many requests, not prefill
+    soak_clients: int = 4
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
-                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2)
+                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4)
 
 
 class Restartable(Protocol):
@@ -236,6 +241,41 @@ async def run_compile_overlap(ctx: Context) -> ScenarioResult:
     return result
 
 
+async def run_soak(ctx: Context) -> ScenarioResult:
+    """`soak_requests` short requests (2 tokens) over `soak_groups` groups from `soak_clients`
+    clients at once; the server's resident memory is read from its /metrics after every tenth of
+    the run. Growth is measured from the first reading (after 10%: every group is warm by then) to
+    the last: a server whose KV is bounded by a preallocated pool stays flat."""
+    name, plan = "soak", ctx.plan
+    groups = [ctx.workload.group(f"soak-{k}", plan.soak_tools) for k in range(plan.soak_groups)]
+    result = ScenarioResult(name)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(plan.soak_requests):
+        queue.put_nowait(i)
+    every = max(1, plan.soak_requests // 10)
+    readings: list[tuple[int, float | None]] = []
+    done = 0
+
+    async def client() -> None:
+        nonlocal done
+        while not queue.empty():
+            i = queue.get_nowait()
+            result.samples.append(await ctx.send(name, groups[i % len(groups)], "any", max_tokens=2, phase="soak"))
+            done += 1
+            if done % every == 0:
+                readings.append((done, await ctx.client.resident_mb()))
+
+    await asyncio.gather(*(client() for _ in range(plan.soak_clients)))
+    rss = [mb for _, mb in readings if mb is not None]
+    result.details.update(requests=plan.soak_requests, groups=plan.soak_groups, clients=plan.soak_clients,
+                          rss_mb=[{"requests": n, "rss_mb": mb} for n, mb in readings],
+                          rss_growth_mb=round(rss[-1] - rss[0], 1) if len(rss) >= 2 else None,
+                          rss_first_mb=rss[0] if rss else None)
+    if not rss:
+        result.notes.append("the server exports no process_resident_memory_bytes: RSS not measured")
+    return result
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 2) if numerator and denominator else None
 
@@ -255,5 +295,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("concurrent", run_concurrent,
              lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client),
     Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
+    Scenario("soak", run_soak, lambda p: p.soak_requests),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module
