@@ -34,7 +34,6 @@ import torch
 from gateway.engine.block_pool import BlockPool, BlockRun, PoolShape
 from gateway.engine.events import (
     CacheResult,
-    EngineEvent,
     Failed,
     Finished,
     Job,
@@ -57,9 +56,6 @@ log = logging.getLogger(__name__)
 
 FIRST_TOKEN_HANDOFF_S = 0.05
 _IDLE_WAIT_S = 0.05  # a held job with nothing running re-checks the pool this often
-
-__all__ = ["CacheResult", "Engine", "EngineEvent", "Failed", "Finished", "Job", "Prefilled", "QueueFull",
-           "TextDelta", "TooLarge"]
 
 
 class _Hold(Exception):
