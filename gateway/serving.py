@@ -203,7 +203,7 @@ class ChatService:
                 if isinstance(event, (Finished, Failed)):
                     return
         finally:
-            prepared.job.cancelled.set()  # no-op when finished; stops the engine otherwise
+            self.engine.abort(prepared.job)  # no-op when finished; stops and frees it otherwise
 
     async def complete(self, prepared: Prepared) -> dict[str, Any]:
         outcome = Outcome()
