@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.kvcache.entry import LayerKV
+
 
 class BlockRun:
     """Consecutive blocks `[first, first + count)`, alive while someone holds a reference."""
@@ -58,6 +60,11 @@ class BlockRun:
     def values(self, layer: int, start: int, end: int) -> torch.Tensor:
         base = self.token_start
         return self.pool.values[layer][:, base + start: base + end]
+
+    def entry_layers(self, tokens: int) -> tuple[LayerKV, ...]:
+        """A cache entry's layers: `[1, kv_heads, tokens, dim]` views of this run's first tokens."""
+        return tuple(LayerKV(self.keys(i, 0, tokens)[None], self.values(i, 0, tokens)[None])
+                     for i in range(len(self.pool.keys)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from gateway.engine.block_pool import BlockPool, BlockRun, PoolShape
+from gateway.engine.block_pool import BlockPool, BlockRun
 from gateway.engine.events import (
     CacheResult,
     Failed,
@@ -43,11 +43,12 @@ from gateway.engine.events import (
     TextDelta,
     TooLarge,
 )
+from gateway.engine.model_info import eos_ids, pool_shape, special_ids
 from gateway.engine.model_runner import ModelRunner, RowKV
 from gateway.engine.scheduler import Scheduler, StepPlan
-from gateway.engine.sequence import Phase, Sequence
+from gateway.engine.sequence import Phase, Sequence, chunk_end
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
-from gateway.kvcache.entry import CacheEntry, LayerKV
+from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
 from gateway.sampling import Sampler, SamplingParams, TextStream, all_finite
@@ -74,10 +75,10 @@ class Engine:
         self.min_prefix_tokens = min_prefix_tokens
         self.device = device
         self.max_batch = max_batch
-        self.eos_ids = _eos_ids(model, tokenizer)
-        self.special_ids = _special_ids(tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
+        self.special_ids = special_ids(tokenizer)
         self.runner = ModelRunner(model, device)
-        self.pool = BlockPool(_pool_shape(model), pool_bytes, block_tokens, device)
+        self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
         self.scheduler = Scheduler(chunk_tokens)
         self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []
@@ -177,7 +178,7 @@ class Engine:
             group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
             done, chunk = 0, self.scheduler.chunk_tokens
             while done < len(suffix_ids):
-                end = min(len(suffix_ids), (done // chunk + 1) * chunk)
+                end = chunk_end(done, 0, len(suffix_ids), chunk)
                 self.runner.prefill(suffix_ids[done:end], RowKV(group, run, done, entry.num_tokens + done))
                 done = end
         finally:
@@ -358,7 +359,7 @@ class Engine:
         for index, layer in enumerate(loaded.layers):
             run.keys(index, 0, loaded.num_tokens).copy_(layer.keys[0])
             run.values(index, 0, loaded.num_tokens).copy_(layer.values[0])
-        entry = CacheEntry(key=loaded.key, layers=_views(run, loaded.num_tokens), group_id=loaded.group_id,
+        entry = CacheEntry(key=loaded.key, layers=run.entry_layers(loaded.num_tokens), group_id=loaded.group_id,
                            tool_names=loaded.tool_names, compile_s=loaded.compile_s,
                            created_at=loaded.created_at, last_used_at=loaded.last_used_at, hits=loaded.hits,
                            blocks=run)
@@ -417,7 +418,7 @@ class Engine:
 
     def _store_group(self, key: PrefixKey, run: BlockRun, group_id: str, tool_names: tuple[str, ...],
                      compile_s: float) -> CacheEntry:
-        entry = CacheEntry(key=key, layers=_views(run, len(key.token_ids)), group_id=group_id,
+        entry = CacheEntry(key=key, layers=run.entry_layers(len(key.token_ids)), group_id=group_id,
                            tool_names=tool_names, compile_s=compile_s, blocks=run)
         self.store.insert(entry)
         log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", group_id or "-",
@@ -508,40 +509,3 @@ class Engine:
 
 class _NonFinite(RuntimeError):
     pass
-
-
-def _views(run: BlockRun, tokens: int) -> tuple[LayerKV, ...]:
-    """An entry's layers as `[1, kv_heads, tokens, dim]` views of the run's blocks."""
-    return tuple(LayerKV(run.keys(i, 0, tokens)[None], run.values(i, 0, tokens)[None])
-                 for i in range(len(run.pool.keys)))
-
-
-def _pool_shape(model: Any) -> PoolShape:
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dtype = model.dtype if model.dtype.is_floating_point else torch.float16
-    return PoolShape(config.num_hidden_layers, kv_heads, head_dim, dtype)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    vocab = tokenizer.get_vocab()
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|eom_id|>"):
-        if token in vocab:
-            ids.add(vocab[token])
-    return frozenset(ids)
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", ()))
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    ids.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
-    return frozenset(ids)

@@ -59,6 +59,8 @@ class RowKV:
     def hidden(self, new_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
         """`[n, all keys]`, True where a query may not see a key (causal inside the chunk, and the
         sliding window); None when every key is visible to every query."""
+        if new_tokens == 1 and (window is None or self.position < window):
+            return None  # one new token sees every key (the decode step's common case: no tensors)
         if window in self._masks:
             return self._masks[window]
         total = self.group_len + self.own_len + new_tokens

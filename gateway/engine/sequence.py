@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,14 +21,17 @@ from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.sampling import Sampler, TextStream
 
-if TYPE_CHECKING:
-    pass
-
 
 class Phase(enum.Enum):
     GROUP = "group"  # computing the tool group's KV into `group_run`
     PROMPT = "prompt"  # prefilling the rest of the prompt into `own_run`
     DECODE = "decode"
+
+
+def chunk_end(start: int, seg_start: int, seg_end: int, chunk_tokens: int) -> int:
+    """Where the chunk from `start` ends: the next multiple of `chunk_tokens` from the segment's
+    start, or the segment's end."""
+    return min(seg_end, seg_start + ((start - seg_start) // chunk_tokens + 1) * chunk_tokens)
 
 
 @dataclass(slots=True)
@@ -54,15 +56,11 @@ class Sequence:
     compile_s: float = 0.0
     forward_s: float = 0.0  # the model's forward passes over this sequence's own prompt tokens
     first_token_handed_off: bool = False
+    _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def prompt(self) -> list[int]:
         return self.job.prompt_ids
-
-    @property
-    def own_len(self) -> int:
-        """Tokens in the own run: the prompt after the group, then generated tokens fed back."""
-        return self.computed - self.group_len if self.phase is not Phase.GROUP else 0
 
     @property
     def remaining_prefill(self) -> int:
@@ -72,6 +70,11 @@ class Sequence:
         """Per layer, the group segment's keys and values `[kv_heads, G, dim]`."""
         if self.group_len == 0:
             return None
+        if self._group_views is None:  # built once: every step of the sequence reads the same views
+            self._group_views = self._build_group_views()
+        return self._group_views
+
+    def _build_group_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.group_run is not None:
             run = self.group_run
             return [(run.keys(i, 0, self.group_len), run.values(i, 0, self.group_len))
@@ -86,9 +89,7 @@ class Sequence:
             seg_start, seg_end = 0, self.group_len
         else:
             seg_start, seg_end = self.group_len, len(self.prompt)
-        start = self.computed
-        end = min(seg_end, seg_start + ((start - seg_start) // chunk_tokens + 1) * chunk_tokens)
-        return start, end
+        return self.computed, chunk_end(self.computed, seg_start, seg_end, chunk_tokens)
 
     def row(self, new_tokens: int) -> RowKV:
         """Where this sequence's next `new_tokens` go."""
