@@ -185,7 +185,8 @@ def _prepare(body: bytes, runtime: Runtime, state: Any, tenant: Tenant, *, bypas
                             f"'{runtime.model_name}'", param="model")
     keyring: KeyRing = state.keyring
     prepared = runtime.service.prepare(req, bypass=bypass, received=received, request_id=request_id,
-                                       salt_for=lambda group_id: keyring.salt_for(tenant, group_id))
+                                       salt_for=lambda group_id: keyring.salt_for(tenant, group_id),
+                                       tenant=tenant.salt)
     return req, prepared
 
 

@@ -82,6 +82,7 @@ async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
 async def clear(request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     count = await asyncio.to_thread(runtime.store.clear)
+    await asyncio.wrap_future(runtime.engine.forget_conversations())
     return JSONResponse({"object": "toolkv.cache.cleared", "deleted": count})
 
 

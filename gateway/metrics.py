@@ -96,6 +96,15 @@ class Metrics:
                                "and cached (of the used, held only by cached prefixes: reclaimable)",
                                ["state"], registry=r)
         self.engine_steps = Counter("toolkv_engine_steps_total", "Engine steps since start", registry=r)
+        self.conversation_records = Gauge("toolkv_conversation_records",
+                                          "Earlier prompts whose KV is kept for their conversation's next turn",
+                                          registry=r)
+        self.conversation_hits = Counter("toolkv_conversation_hit_tokens_total",
+                                         "Prompt tokens served from an earlier turn's KV (after the tool group)",
+                                         registry=r)
+        self.conversation_evictions = Counter("toolkv_conversation_evictions_total",
+                                              "Conversation records dropped to make room in the KV pool",
+                                              registry=r)
         self.engine = EngineView()
         self._engine_totals = TotalsTracker()
         self._engine_lock = threading.Lock()
@@ -113,9 +122,14 @@ class Metrics:
             self.kv_blocks.labels(state="used").set(stats.kv_blocks_used)
             self.kv_blocks.labels(state="free").set(max(0, stats.kv_blocks_total - stats.kv_blocks_used))
             self.kv_blocks.labels(state="cached").set(stats.kv_blocks_cached)
+            self.conversation_records.set(stats.conversation_records)
             grown = self._engine_totals.advance({
                 "preemptions": stats.preemptions_total, "queries": stats.prefix_queries_tokens_total,
-                "hits": stats.prefix_hits_tokens_total, "steps": stats.steps_total})
+                "hits": stats.prefix_hits_tokens_total, "steps": stats.steps_total,
+                "turn_hits": stats.conversation_hits_tokens_total,
+                "turn_evictions": stats.conversation_evictions_total})
+            self.conversation_hits.inc(grown["turn_hits"])
+            self.conversation_evictions.inc(grown["turn_evictions"])
             self.preemptions.labels(**labels).inc(grown["preemptions"])
             self.prefix_queries.labels(**labels).inc(grown["queries"])
             self.prefix_hits.labels(**labels).inc(grown["hits"])

@@ -8,6 +8,7 @@ from typing import Any
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from gateway.engine import Engine
+from gateway.engine.chunks import turn_markers
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
@@ -76,9 +77,11 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     max_queue=settings.max_queue, device=loaded.device, pool_bytes=settings.ram_budget_bytes,
                     block_tokens=settings.kv_block_tokens, chunk_tokens=settings.prefill_chunk_tokens,
                     max_batch=settings.max_batch)
-    engine.start()
     service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens)
+    # Prompt chunks are cut where the template's turns open (engine/chunks.py): set before any request.
+    engine.turn_markers = turn_markers(tokenizer, service.renderer.template)
+    engine.start()
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)
     return Runtime(loaded, engine, service, store, metrics)

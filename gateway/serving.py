@@ -89,12 +89,14 @@ class ChatService:
     # ---- preparing -------------------------------------------------------------------------
 
     def prepare(self, req: ChatCompletionRequest, bypass: bool = False, received: float | None = None, *,
-                salt_for: Callable[[str], str] | None = None, request_id: str | None = None) -> Prepared:
+                salt_for: Callable[[str], str] | None = None, tenant: str = "",
+                request_id: str | None = None) -> Prepared:
         """The engine job for `req`; `received` is when the request arrived (perf_counter).
 
         `salt_for(group_id)` gives the tenant's cache salt for the group (default: the shared
         namespace, ""). It also
         namespaces the tokenizer's remembered heads, so tenants never share prepare-time state.
+        `tenant` (the tenant's own salt) namespaces its conversation KV, shared groups or not.
         Blocking (render + tokenize): call it off the event loop."""
         received = time.perf_counter() if received is None else received
         messages = [m.to_chat() for m in req.messages]
@@ -116,7 +118,7 @@ class ChatService:
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
-                  use_cache=use_cache, salt=salt, group_id=group_id,
+                  use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names,
                   keep_token_ids=self.marker_ids if tools_active else frozenset())
         commit()  # accepted: only now may its tokenized head be remembered

@@ -52,6 +52,18 @@ class BlockRun:
     def release(self) -> None:
         self.pool.release(self)
 
+    def head(self, tokens: int) -> BlockRun:
+        """A new reference to the blocks holding this run's first `tokens` tokens."""
+        run = BlockRun(self.pool, self.first, min(self.count, max(1, self.pool.blocks_for(tokens))))
+        run.retain()
+        return run
+
+    def copy_from(self, source: BlockRun, tokens: int) -> None:
+        """Write `source`'s first `tokens` tokens of KV, every layer, into this run's first ones."""
+        for layer in range(len(self.pool.keys)):
+            self.keys(layer, 0, tokens).copy_(source.keys(layer, 0, tokens))
+            self.values(layer, 0, tokens).copy_(source.values(layer, 0, tokens))
+
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Layer `layer`'s keys for run-relative tokens `[start, end)`: a view `[kv_heads, n, dim]`."""
         base = self.token_start

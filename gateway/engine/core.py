@@ -12,7 +12,11 @@ The step loop (`_run`), in order:
 5. sample per sequence, emit its text, and finish sequences that are done.
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
-sequences' steps) and stores them; a bypass computes them privately. All three run the same
+sequences' steps) and stores them, starting from the longest prefix it shares with a cached group
+(a tool list that differs from a cached one at its end); a bypass computes them privately. After
+the group, a request starts from the longest prefix of an earlier request's prompt in its tenant's
+conversation records (prefix_index.py), copied into its own blocks, and computes only the rest;
+when it ends, its prompt's KV is kept as a record for its conversation's next turn. All three run the same
 operations on the same numbers, so their output is identical (model_runner.py says why). A cached
 group whose logits come out NaN or infinite (a poisoned file passes its checksum when its writer
 had write access) is dropped and the request recomputed; only a model that gives non-finite
@@ -32,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from gateway.engine.block_pool import BlockPool, BlockRun
+from gateway.engine.chunks import chunk_ends, next_end, reuse_end
 from gateway.engine.events import (
     CacheResult,
     Failed,
@@ -45,8 +50,9 @@ from gateway.engine.events import (
 )
 from gateway.engine.model_info import eos_ids, pool_shape, special_ids
 from gateway.engine.model_runner import ModelRunner, RowKV
+from gateway.engine.prefix_index import ChainIndex, Conversations, Record, chain_hashes, verified_prefix
 from gateway.engine.scheduler import Scheduler, StepPlan
-from gateway.engine.sequence import Phase, Sequence, chunk_end
+from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
@@ -67,7 +73,7 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, turn_markers: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -80,6 +86,10 @@ class Engine:
         self.runner = ModelRunner(model, device)
         self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
         self.scheduler = Scheduler(chunk_tokens)
+        self.turn_markers = turn_markers
+        self.conversations = Conversations(block_tokens)
+        self._groups: ChainIndex[CacheEntry] = ChainIndex()  # cached groups by their block chains
+        self._group_chains: dict[int, tuple[CacheEntry, list[bytes]]] = {}  # id(entry) -> its chain
         self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []
         self._running: list[Sequence] = []
@@ -91,6 +101,7 @@ class Engine:
         self.num_preempted = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.conversation_hit_tokens = 0
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -141,15 +152,24 @@ class Engine:
             raise QueueFull from None
         return future
 
+    def forget_conversations(self) -> Future[int]:
+        """Drop every conversation record (on the engine thread, between steps); the future gives
+        how many there were. Raises QueueFull."""
+        return self.call(self.conversations.clear)
+
     def stats(self) -> EngineStats:
         cached = sum(self.pool.blocks_for(e.num_tokens) for e in self.store.ram.entries() if e.blocks is not None)
+        cached += self.conversations.num_blocks
         return EngineStats(running=len(self._running), waiting=self._intake.qsize() + len(self._held),
                            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
                            kv_blocks_cached=cached, kv_block_tokens=self.pool.block_tokens,
                            preemptions_total=self.num_preempted,
                            prefix_queries_tokens_total=self.prefix_query_tokens,
                            prefix_hits_tokens_total=self.prefix_hit_tokens, steps_total=self.num_steps,
-                           cancelled_total=self.num_cancelled)
+                           cancelled_total=self.num_cancelled, conversation_records=len(self.conversations),
+                           conversation_blocks=self.conversations.num_blocks,
+                           conversation_hits_tokens_total=self.conversation_hit_tokens,
+                           conversation_evictions_total=self.conversations.evictions)
 
     def drain_steps(self) -> list[StepRecord]:
         return self._steps.drain()
@@ -176,10 +196,12 @@ class Engine:
             raise TooLarge("the KV pool has no room for the suffix now")
         try:
             group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
-            done, chunk = 0, self.scheduler.chunk_tokens
-            while done < len(suffix_ids):
-                end = chunk_end(done, 0, len(suffix_ids), chunk)
-                self.runner.prefill(suffix_ids[done:end], RowKV(group, run, done, entry.num_tokens + done))
+            prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
+            ends = chunk_ends(prompt, start, self.scheduler.chunk_tokens, self.turn_markers)
+            done = start
+            while done < len(prompt):
+                end = next_end(ends, done)
+                self.runner.prefill(prompt[done:end], RowKV(group, run, done - start, done))
                 done = end
         finally:
             run.release()
@@ -273,48 +295,127 @@ class Engine:
         if job.warm is not None:
             return self._warm_sequence(job)
         admitted = time.perf_counter()
-        cacheable = self.min_prefix_tokens <= job.prefix_len < len(job.prompt_ids)
+        prompt = job.prompt_ids
+        cacheable = self.min_prefix_tokens <= job.prefix_len < len(prompt)
         group_len = job.prefix_len if cacheable else 0
         key: PrefixKey | None = None
         entry: CacheEntry | None = None
         tier: str | None = None
         result: CacheResult = "bypass" if not job.use_cache else "skip"
         if cacheable and job.use_cache and not recompute:
-            key = self.key_for(job.prompt_ids[:group_len], job.salt)
+            key = self.key_for(prompt[:group_len], job.salt)
             if key.digest in self._compiling:
                 raise _Hold
-            entry, tier = self._lookup(key)
+            entry, tier = self._lookup(key, job.salt)
             result = "hit" if entry is not None else "miss"
         elif recompute:
             result = "miss"
+        ends = chunk_ends(prompt, group_len, self.scheduler.chunk_tokens, self.turn_markers)
+        chain: list[bytes] = []
+        record, rest_from = None, group_len
+        source: CacheEntry | None = None
+        group_from = 0
+        if job.use_cache and not recompute:
+            chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
+            record, rest_from = self._find_turn(prompt, group_len, ends, chain)
+            if group_len and entry is None:
+                source, group_from = self._find_group_prefix(job, group_len)
         lookup_s = time.perf_counter() - admitted
-        own_run = self._allocate(len(job.prompt_ids) - group_len + job.params.max_tokens)
-        group_run = None
-        if own_run is not None and group_len and entry is None:
-            group_run = self._allocate(group_len)
-            if group_run is None:
-                own_run.release()
-                own_run = None
-        if own_run is None:
-            if entry is not None:
-                self._let_go(entry)
-            raise _Hold
-        seq = Sequence(job, group_len, result, own_run, Sampler(job.params),
+        # Hold the blocks to copy from while allocating: making room may evict their holders.
+        held = [r for r in (record.run if record else None, source.blocks if source else None) if r is not None]
+        for run in held:
+            run.retain()
+        try:
+            own_run, group_run = self._allocate_runs(len(prompt) - group_len + job.params.max_tokens,
+                                                     group_len if entry is None else 0)
+            if own_run is None:
+                if entry is not None:
+                    self._let_go(entry)
+                raise _Hold
+            if record is not None and rest_from > group_len:
+                own_run.copy_from(record.run, rest_from - group_len)
+            if group_run is not None and source is not None and source.blocks is not None and group_from:
+                group_run.copy_from(source.blocks, group_from)
+        finally:
+            for run in held:
+                run.release()
+        seq = Sequence(job, group_len, result, own_run, ends, Sampler(job.params),
                        TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids),
                        key=key, entry=entry, group_run=group_run, tier=tier, admitted_at=admitted,
-                       lookup_s=lookup_s)
+                       lookup_s=lookup_s, chain=chain, source=record, rest_from=rest_from)
+        seq.reused = (group_len if entry is not None else group_from) + rest_from - group_len
         if group_run is not None:
             seq.phase = Phase.GROUP
+            seq.computed = group_from
             seq.compile_started = admitted
             if result == "miss" and key is not None:
                 self._compiling[key.digest] = seq
         else:
-            seq.computed = group_len
+            seq.computed = rest_from
         if job.use_cache:
-            self.prefix_query_tokens += len(job.prompt_ids)
-            if result == "hit":
-                self.prefix_hit_tokens += group_len
+            self.prefix_query_tokens += len(prompt)
+            self.prefix_hit_tokens += seq.reused
+            self.conversation_hit_tokens += rest_from - group_len
         return seq
+
+    def _allocate_runs(self, own_tokens: int, group_tokens: int) -> tuple[BlockRun | None, BlockRun | None]:
+        """The sequence's own run and (when it computes its group) the group's run; (None, None)
+        when they do not both fit now."""
+        own_run = self._allocate(own_tokens)
+        if own_run is None or not group_tokens:
+            return own_run, None
+        group_run = self._allocate(group_tokens)
+        if group_run is None:
+            own_run.release()
+            return None, None
+        return own_run, group_run
+
+    def _conversation_root(self, job: Job, group_len: int) -> bytes:
+        """The root of a prompt's block chain: identity, the tenant's namespace, the group's length
+        (it decides where the chunks are cut)."""
+        return self.identity.digest_bytes() + f"\x00conversation\x00{job.tenant}\x00{group_len}".encode()
+
+    def _find_turn(self, prompt: list[int], group_len: int, ends: list[int],
+                   chain: list[bytes]) -> tuple[Record | None, int]:
+        """The conversation record to start from and the position its KV is used up to (past the
+        group), or (None, group_len)."""
+        found = self.conversations.find(prompt, chain)
+        if found is None:
+            return None, group_len
+        record, common = found
+        upto = reuse_end(ends, record.ends, common, len(record.tokens), len(prompt), group_len)
+        return (record, upto) if upto > group_len else (None, group_len)
+
+    def _find_group_prefix(self, job: Job, group_len: int) -> tuple[CacheEntry | None, int]:
+        """A cached group in RAM sharing a prefix with this one, and how much of it to copy: the
+        last multiple of the chunk size inside the common prefix (group chunks end there)."""
+        found = self._groups.deepest(self._group_chain(job.salt, job.prompt_ids[:group_len]))
+        if found is None:
+            return None, 0
+        entry, blocks = found
+        if entry.blocks is None or not self.store.ram.holds(entry):
+            self._unindex_group(entry)  # evicted: its blocks may belong to someone else by now
+            return None, 0
+        common = verified_prefix(entry.key.token_ids, job.prompt_ids[:group_len], blocks, self.pool.block_tokens)
+        chunk = self.scheduler.chunk_tokens
+        upto = min(common, entry.num_tokens, group_len - 1) // chunk * chunk
+        return (entry, upto) if upto > 0 else (None, 0)
+
+    def _group_chain(self, salt: str, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
+        return chain_hashes(self.key_for([], salt).digest.encode(), tokens, self.pool.block_tokens)
+
+    def _index_group(self, entry: CacheEntry, salt: str) -> None:
+        for held, _ in list(self._group_chains.values()):  # forget groups the RAM tier let go
+            if not self.store.ram.holds(held):
+                self._unindex_group(held)
+        chain = self._group_chain(salt, entry.key.token_ids)
+        self._groups.add(entry, chain)
+        self._group_chains[id(entry)] = (entry, chain)
+
+    def _unindex_group(self, entry: CacheEntry) -> None:
+        held = self._group_chains.pop(id(entry), None)
+        if held is not None:
+            self._groups.discard(entry, held[1])
 
     def _warm_sequence(self, job: Job) -> Sequence | None:
         """A sequence that only computes and stores its group; None when the group is cached."""
@@ -332,13 +433,14 @@ class Engine:
             if group_run is not None:
                 group_run.release()
             raise _Hold
-        seq = Sequence(job, len(key.token_ids), "miss", own_run, Sampler(job.params),
+        ends = chunk_ends(key.token_ids, len(key.token_ids), self.scheduler.chunk_tokens, self.turn_markers)
+        seq = Sequence(job, len(key.token_ids), "miss", own_run, ends, Sampler(job.params),
                        TextStream(self.tokenizer, (), self.special_ids), key=key, group_run=group_run,
                        phase=Phase.GROUP, compile_started=time.perf_counter())
         self._compiling[key.digest] = seq
         return seq
 
-    def _lookup(self, key: PrefixKey) -> tuple[CacheEntry | None, str | None]:
+    def _lookup(self, key: PrefixKey, salt: str) -> tuple[CacheEntry | None, str | None]:
         """The stored group, with a reference and a lock held for the sequence; None on a miss."""
         found = self.store.lookup(key)
         if found is None:
@@ -346,13 +448,13 @@ class Engine:
         entry = found.entry
         entry.touch()
         if entry.blocks is None:  # read from disk: copy it into the pool (when there is room)
-            entry = self._place(entry)
+            entry = self._place(entry, salt)
         else:
             entry.retain()
         self.store.lock(entry)
         return entry, found.tier
 
-    def _place(self, loaded: CacheEntry) -> CacheEntry:
+    def _place(self, loaded: CacheEntry, salt: str) -> CacheEntry:
         run = self._allocate(loaded.num_tokens)
         if run is None:
             return loaded  # used from its own tensors this once
@@ -364,6 +466,7 @@ class Engine:
                            created_at=loaded.created_at, last_used_at=loaded.last_used_at, hits=loaded.hits,
                            blocks=run)
         self.store.keep_in_ram(entry)  # replaces the loaded copy; the run's reference is the sequence's
+        self._index_group(entry, salt)
         return entry
 
     def _let_go(self, entry: CacheEntry) -> None:
@@ -371,9 +474,10 @@ class Engine:
         entry.release()
 
     def _allocate(self, tokens: int) -> BlockRun | None:
-        """A run for `tokens`, evicting cached groups nobody uses (least recent first) to make room."""
+        """A run for `tokens`, making room by dropping conversation records, then cached groups
+        nobody uses (least recently used first)."""
         while (run := self.pool.allocate(tokens)) is None:
-            if not self.store.evict_oldest():
+            if not self.conversations.evict_oldest() and not self.store.evict_oldest():
                 return None
         return run
 
@@ -406,22 +510,23 @@ class Engine:
 
     def _group_done(self, seq: Sequence) -> None:
         seq.phase = Phase.PROMPT
+        seq.computed = seq.rest_from  # an earlier turn's KV may already be in the own run
         seq.compile_s = time.perf_counter() - seq.compile_started
         if seq.result != "miss" or seq.key is None:
             return  # a bypass keeps its group to itself
         assert seq.group_run is not None
         self._compiling.pop(seq.key.digest, None)
-        seq.entry = self._store_group(seq.key, seq.group_run, seq.job.group_id, seq.job.tool_names, seq.compile_s)
+        seq.entry = self._store_group(seq.key, seq.group_run, seq.job, seq.compile_s)
         if seq.job.warm is not None:
             self._retire(seq)
             seq.job.warm.set_result((seq.entry, False))
 
-    def _store_group(self, key: PrefixKey, run: BlockRun, group_id: str, tool_names: tuple[str, ...],
-                     compile_s: float) -> CacheEntry:
-        entry = CacheEntry(key=key, layers=run.entry_layers(len(key.token_ids)), group_id=group_id,
-                           tool_names=tool_names, compile_s=compile_s, blocks=run)
+    def _store_group(self, key: PrefixKey, run: BlockRun, job: Job, compile_s: float) -> CacheEntry:
+        entry = CacheEntry(key=key, layers=run.entry_layers(len(key.token_ids)), group_id=job.group_id,
+                           tool_names=job.tool_names, compile_s=compile_s, blocks=run)
         self.store.insert(entry)
-        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", group_id or "-",
+        self._index_group(entry, job.salt)
+        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", job.group_id or "-",
                  len(key.token_ids), compile_s, entry.num_bytes / 1e6)
         return entry
 
@@ -434,8 +539,7 @@ class Engine:
             raise _NonFinite("the model gave non-finite logits on a plain prefill")
         now = time.perf_counter()
         job = seq.job
-        cached = seq.group_len if seq.result == "hit" else 0
-        job.emit(Prefilled(len(seq.prompt), cached, seq.result, seq.tier, 0.0, seq.compile_s,
+        job.emit(Prefilled(len(seq.prompt), seq.reused, seq.result, seq.tier, 0.0, seq.compile_s,
                            now - seq.admitted_at, seq.forward_s,
                            seq.admitted_at - job.submitted if job.submitted else 0.0, seq.lookup_s))
         seq.phase = Phase.DECODE
@@ -469,7 +573,7 @@ class Engine:
                 seq.first_token_handed_off = True
                 job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
         if seq.stream.stopped:
-            self._retire(seq)  # blocks are free before the client hears it is done
+            self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
             job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids)))
             return
         if seq.generated >= job.params.max_tokens:
@@ -478,14 +582,17 @@ class Engine:
         seq.next_token = token
 
     def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
-        self._retire(seq)  # blocks are free before the client hears it is done
+        self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
         rest = seq.stream.flush()
         if rest:
             seq.job.emit(TextDelta(rest))
         seq.job.emit(Finished(reason, count, tuple(seq.stream.token_ids)))
 
-    def _retire(self, seq: Sequence) -> None:
-        """Take `seq` out of the batch and give its blocks back."""
+    def _retire(self, seq: Sequence, keep_turn: bool = False) -> None:
+        """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
+        (after the group) as a conversation record first."""
+        if keep_turn:
+            self._keep_turn(seq)
         if seq in self._running:
             self._running.remove(seq)
         if seq.key is not None and self._compiling.get(seq.key.digest) is seq:
@@ -493,6 +600,18 @@ class Engine:
         if seq.entry is not None and seq.result == "hit":
             self.store.unlock(seq.entry)
         seq.release()
+
+    def _keep_turn(self, seq: Sequence) -> None:
+        """Index the prompt KV of a finished sequence for its conversation's next turn. Only the
+        prompt: the generated tokens' KV came from decode passes, and the next turn's prompt would
+        compute them in a prefill chunk, with other bits (engine/chunks.py)."""
+        job = seq.job
+        own_tokens = len(seq.prompt) - seq.group_len
+        if not job.use_cache or job.warm is not None or seq.phase is not Phase.DECODE or own_tokens <= 0:
+            return
+        record = Record(tuple(seq.prompt), seq.group_len, frozenset(seq.ends), seq.own_run.head(own_tokens),
+                        seq.chain)
+        self.conversations.add(record, replaces=seq.source)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         self._retire(seq)  # before the event, as for a finish

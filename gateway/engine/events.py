@@ -55,7 +55,8 @@ class Job:
     params: SamplingParams
     emit: Callable[[EngineEvent], None]  # must be thread-safe
     use_cache: bool = True
-    salt: str = ""
+    salt: str = ""  # the group's cache namespace ("" for a group listed in shared_groups)
+    tenant: str = ""  # the tenant's own namespace: conversation KV is never shared between tenants
     group_id: str = ""
     tool_names: tuple[str, ...] = ()
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep

@@ -1,7 +1,7 @@
 """The scheduler: what one step of the loop computes.
 
 Every decoding sequence advances by one token, all in one batched forward pass. Prompts are
-prefilled in chunks (`chunk_tokens`, boundaries fixed by position, see Sequence.next_chunk), at
+prefilled in chunks (cut by the prompt's tokens alone, see engine/chunks.py), at
 most `chunk_tokens` prompt tokens a step beside the decodes, shortest remaining prompt first: a
 hit's short suffix goes ahead of a long tool-group compile, and every step still advances the
 decodes, so nobody waits for a compile to finish.
@@ -35,7 +35,7 @@ class Scheduler:
         plan = StepPlan(decode=[s for s in running if s.phase is Phase.DECODE])
         budget = self.chunk_tokens
         for seq in sorted((s for s in running if s.phase is not Phase.DECODE), key=lambda s: s.remaining_prefill):
-            start, end = seq.next_chunk(self.chunk_tokens)
+            start, end = seq.next_chunk()
             if plan.prefill and end - start > budget:
                 break
             plan.prefill.append((seq, start, end))

@@ -2,8 +2,10 @@
 
 Its KV is two segments (see model_runner): the tool group `[0, group_len)`, either shared from the
 prefix store (a hit) or computed by this sequence into a run of its own (a miss stores that run; a
-bypass keeps it private), and its own run after it, reserved at admission for the rest of the
-prompt plus `max_tokens`, so a running sequence never needs another block.
+bypass keeps it private; a new tool list may start it from a cached group's first tokens), and its
+own run after it, reserved at admission for the rest of the prompt plus `max_tokens`, so a running
+sequence never needs another block. The own run may start with an earlier turn's KV, copied in.
+Its prompt is computed in the chunks `ends` gives (engine/chunks.py), from `computed` on.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gateway.engine.block_pool import BlockRun
+from gateway.engine.chunks import next_end
 from gateway.engine.events import CacheResult, Job
 from gateway.engine.model_runner import RowKV
+from gateway.engine.prefix_index import Record
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.sampling import Sampler, TextStream
@@ -28,18 +32,13 @@ class Phase(enum.Enum):
     DECODE = "decode"
 
 
-def chunk_end(start: int, seg_start: int, seg_end: int, chunk_tokens: int) -> int:
-    """Where the chunk from `start` ends: the next multiple of `chunk_tokens` from the segment's
-    start, or the segment's end."""
-    return min(seg_end, seg_start + ((start - seg_start) // chunk_tokens + 1) * chunk_tokens)
-
-
 @dataclass(slots=True)
 class Sequence:
     job: Job
     group_len: int  # tokens in the group segment (0: none)
     result: CacheResult
     own_run: BlockRun
+    ends: list[int]  # where the prompt's chunks end (chunks.chunk_ends)
     sampler: Sampler
     stream: TextStream
     key: PrefixKey | None = None  # the group's key when it is looked up / stored
@@ -48,6 +47,7 @@ class Sequence:
     tier: str | None = None
     phase: Phase = Phase.PROMPT
     computed: int = 0  # prompt tokens whose KV is in place
+    reused: int = 0  # prompt tokens whose KV came from the cache (cached_tokens)
     generated: int = 0  # tokens sampled so far
     next_token: int | None = None  # sampled, not yet fed to the model
     admitted_at: float = field(default_factory=time.perf_counter)
@@ -56,6 +56,9 @@ class Sequence:
     compile_s: float = 0.0
     forward_s: float = 0.0  # the model's forward passes over this sequence's own prompt tokens
     first_token_handed_off: bool = False
+    chain: list[bytes] = field(default_factory=list)  # the prompt's block hashes (prefix_index)
+    source: Record | None = None  # the conversation record its rest started from
+    rest_from: int = 0  # where its own prompt tokens start being computed (after a copied turn)
     _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -82,14 +85,9 @@ class Sequence:
         assert self.entry is not None
         return [(layer.keys[0], layer.values[0]) for layer in self.entry.layers]
 
-    def next_chunk(self, chunk_tokens: int) -> tuple[int, int]:
-        """The next prompt chunk `[start, end)`: boundaries at multiples of `chunk_tokens` from the
-        start of the segment being filled, and at the segment's end, whatever the schedule."""
-        if self.phase is Phase.GROUP:
-            seg_start, seg_end = 0, self.group_len
-        else:
-            seg_start, seg_end = self.group_len, len(self.prompt)
-        return self.computed, chunk_end(self.computed, seg_start, seg_end, chunk_tokens)
+    def next_chunk(self) -> tuple[int, int]:
+        """The next prompt chunk `[start, end)`, as `ends` cuts the prompt whatever the schedule."""
+        return self.computed, next_end(self.ends, self.computed)
 
     def row(self, new_tokens: int) -> RowKV:
         """Where this sequence's next `new_tokens` go."""

@@ -23,6 +23,10 @@ class EngineStats:
     prefix_hits_tokens_total: int  # of those, served from cached blocks
     steps_total: int
     cancelled_total: int  # sequences stopped because their client went away
+    conversation_records: int = 0  # earlier prompts kept for their conversation's next turn
+    conversation_blocks: int = 0  # pool blocks those hold (part of kv_blocks_cached)
+    conversation_hits_tokens_total: int = 0  # prompt tokens served from an earlier turn's KV
+    conversation_evictions_total: int = 0  # records dropped to make room in the pool
 
     @property
     def kv_usage(self) -> float:

@@ -37,6 +37,11 @@ class RamTier:
             self._entries.move_to_end(key.digest)
             return entry
 
+    def holds(self, entry: CacheEntry) -> bool:
+        """Whether this very entry is kept here (without marking it used)."""
+        with self._mutex:
+            return self._entries.get(entry.key.digest) is entry
+
     def can_insert(self, entry: CacheEntry) -> bool:
         return entry.num_bytes <= self.budget_bytes
 

@@ -98,7 +98,8 @@ def test_deleting_an_entry_makes_the_next_request_recompute(api: httpx.Client) -
     assert deleted.json() == {"id": warmed["id"], "object": "toolkv.cache_entry.deleted", "deleted": True}
     assert api.get(f"/cache/{warmed['id']}").status_code == 404
     assert _cached_tokens(_chat(api, TOOLS)) == 0  # a miss: computed again
-    assert _cached_tokens(_chat(api, TOOLS)) == warmed["prefix_tokens"]
+    again = _chat(api, TOOLS)  # the group, and the same question up to its generation prompt
+    assert warmed["prefix_tokens"] < _cached_tokens(again) < again["usage"]["prompt_tokens"]
 
 
 def test_clear_empties_every_tier(api: httpx.Client) -> None:
@@ -107,6 +108,8 @@ def test_clear_empties_every_tier(api: httpx.Client) -> None:
     assert api.delete("/cache").json() == {"object": "toolkv.cache.cleared", "deleted": 2}
     assert api.get("/cache").json()["data"] == []
     assert _cached_tokens(_chat(api, TOOLS)) == 0
+    assert api.delete("/cache").json()["deleted"] == 1
+    assert _cached_tokens(_chat(api, TOOLS)) == 0  # conversation KV went too, not only the groups
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])

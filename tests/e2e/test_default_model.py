@@ -109,3 +109,28 @@ def test_the_parity_set_sent_at_once_equals_each_query_alone_without_the_cache(c
     for query, batched in zip(queries, together, strict=True):
         alone = run(query, extra_headers={"X-Toolkv-Cache": "bypass"})
         assert batched[:3] == alone[:3], query
+
+
+def test_an_airline_agents_turns_compute_only_their_new_messages_with_bypass_identical_text(client):
+    """A real tau-bench airline conversation replayed turn by turn (tool calls, tool results): from
+    the second turn on, everything up to the previous turn's generation prompt is reused, and each
+    answer equals a plain full prefill's."""
+    import json
+
+    from tests.engine.test_conversation_reuse import GENERATION_PROMPT, TAU, tau_turns
+
+    tools = json.loads((TAU / "tools_airline.json").read_text())
+    previous = 0
+
+    def run(messages, **extra):
+        return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=tools,
+                                              temperature=0, max_tokens=24, **extra)
+
+    for number, messages in enumerate(tau_turns()[:4]):
+        reused, plain = run(messages), run(messages, extra_headers={"X-Toolkv-Cache": "bypass"})
+        assert reused.choices[0].message == plain.choices[0].message
+        cached = reused.usage.prompt_tokens_details.cached_tokens
+        if number:
+            assert cached == previous - GENERATION_PROMPT
+            assert reused.usage.prompt_tokens - cached < 700  # the new messages only, not the ~4,000 before
+        previous = reused.usage.prompt_tokens

@@ -26,8 +26,8 @@ def make_runtime(model_dir: Path, **overrides: Any) -> Runtime:
 def runtime_for(tiny_model_dir: Callable[..., Path]) -> Iterator[Callable[..., Runtime]]:
     made: list[Runtime] = []
 
-    def make(arch: str = "llama", seed: int = 0, **overrides: Any) -> Runtime:
-        runtime = make_runtime(tiny_model_dir(arch, seed), **overrides)
+    def make(arch: str = "llama", seed: int = 0, context: int = 4096, **overrides: Any) -> Runtime:
+        runtime = make_runtime(tiny_model_dir(arch, seed, context), **overrides)
         made.append(runtime)
         return runtime
 
@@ -43,9 +43,12 @@ class Run:
         self.text = text
 
 
-def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False) -> Run:
-    """Run one request through the service and engine, collecting the raw events."""
-    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(body), bypass=bypass)
+def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False, tenant: str = "",
+             shared: bool = False) -> Run:
+    """Run one request through the service and engine, collecting the raw events. `tenant`: the
+    tenant's salt (its groups' too, unless `shared`)."""
+    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(body), bypass=bypass,
+                                       salt_for=lambda _: "" if shared else tenant, tenant=tenant)
 
     async def collect() -> Run:
         pre, fin, parts = None, None, []
@@ -60,3 +63,8 @@ def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False) -> Ru
         return Run(pre, fin, "".join(parts))
 
     return asyncio.run(collect())
+
+
+def not_kept(runtime: Runtime) -> int:
+    """Pool blocks in use other than conversation records (kept for a next turn, dropped on demand)."""
+    return runtime.engine.pool.num_used - runtime.engine.conversations.num_blocks

@@ -12,7 +12,7 @@ from gateway.engine import Finished, Prefilled, TextDelta
 from gateway.errors import Overloaded
 from gateway.protocol import ChatCompletionRequest
 from gateway.runtime import Runtime
-from tests.engine.conftest import Run, generate
+from tests.engine.conftest import Run, generate, not_kept
 
 ARCHS = ["llama", "qwen2", "mistral"]
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x float32
@@ -74,8 +74,7 @@ def test_eight_requests_at_once_give_the_tokens_each_gives_alone(runtime_for, me
         plain = generate(runtime, request, bypass=True)
         assert batched.finished.token_ids == alone.finished.token_ids == plain.finished.token_ids
         assert len(batched.finished.token_ids) == request["max_tokens"]
-    assert runtime.engine.pool.num_used == sum(runtime.engine.pool.blocks_for(e.num_tokens)
-                                               for e in runtime.store.ram.entries())
+    assert not_kept(runtime) == sum(runtime.engine.pool.blocks_for(e.num_tokens) for e in runtime.store.ram.entries())
 
 
 def test_seeded_sampling_is_the_same_batched_and_alone(runtime_for, merchant_tools):
@@ -114,7 +113,7 @@ def test_requests_wait_for_blocks_instead_of_failing(runtime_for, merchant_tools
     assert max(step.batch_size for step in runtime.engine.drain_steps()) < len(requests)  # some waited
     for (request, _), batched in zip(requests, together, strict=True):
         assert batched.finished.token_ids == generate(runtime, request, bypass=True).finished.token_ids
-    assert runtime.engine.pool.num_used == 0
+    assert not_kept(runtime) == 0
 
 
 def test_a_request_the_pool_can_never_hold_is_refused(runtime_for, merchant_tools):
@@ -128,7 +127,7 @@ def test_a_request_the_pool_can_never_hold_is_refused(runtime_for, merchant_tool
 def test_a_cancelled_request_leaves_the_batch_and_frees_its_blocks(runtime_for, merchant_tools):
     runtime = runtime_for("llama")
     generate(runtime, body(merchant_tools[:3], "warm", max_tokens=1))
-    held = runtime.engine.pool.num_used
+    held = not_kept(runtime)
 
     async def main() -> None:
         prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(
@@ -142,7 +141,7 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_blocks(runtime_for, 
         assert other.finished.completion_tokens == 3
 
     asyncio.run(main())
-    assert runtime.engine.pool.num_used == held
+    assert not_kept(runtime) == held
     assert runtime.engine.stats().cancelled_total == 1
 
 

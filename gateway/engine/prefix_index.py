@@ -1,0 +1,161 @@
+"""The prefix index: which cached KV shares the longest token prefix with a new prompt.
+
+Full blocks of `block_tokens` tokens are keyed by a hash chain (sha256 of the parent's hash and
+the block's token ids), with the model/tokenizer identity and the tenant's salt at the root, so a
+key names a block *and everything before it*: equal hashes mean equal prefixes, and two tenants'
+chains never meet. A lookup walks the new prompt's chain to the deepest block some holder has and
+then compares that holder's stored token ids with the prompt's (never the hash alone); the exact
+common prefix is counted token by token from there.
+
+Two kinds of holder (engine/core.py):
+- tool groups (`CacheEntry`, named and pinned in the RAM tier): a new tool list reuses the longest
+  prefix of a cached group (partial tool-group reuse);
+- conversation records (`Record`): the KV of a finished request's prompt after its group, kept in
+  the pool by the index alone and dropped least recently used first when the pool needs blocks.
+
+A hit's KV is copied into the new request's own blocks (one memory copy, ~20 ms for 2,000 tokens
+of the default model), not read in place: decode attention sums over a sequence's KV segment by
+segment, so reading a third segment would change the bits of every later token. Each request keeps
+the same two segments (group, own) whatever it reuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from gateway.engine.block_pool import BlockRun
+from gateway.engine.chunks import common_prefix
+
+H = TypeVar("H")
+
+
+def chain_hashes(root: bytes, tokens: Sequence[int], block_tokens: int) -> list[bytes]:
+    """One hash per full block of `tokens`: sha256(parent hash, block token ids)."""
+    out: list[bytes] = []
+    parent = hashlib.sha256(root).digest()
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = hashlib.sha256(parent + array("q", tokens[start:start + block_tokens]).tobytes()).digest()
+        out.append(parent)
+    return out
+
+
+class ChainIndex(Generic[H]):
+    """Block hash -> the most recent holder whose tokens start with that chain."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[bytes, H] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def add(self, holder: H, hashes: list[bytes]) -> None:
+        for digest in hashes:
+            self._nodes[digest] = holder
+
+    def discard(self, holder: H, hashes: list[bytes]) -> None:
+        for digest in hashes:
+            if self._nodes.get(digest) is holder:
+                del self._nodes[digest]
+
+    def deepest(self, hashes: list[bytes]) -> tuple[H, int] | None:
+        """The holder of the longest indexed chain of `hashes`, and how many blocks it covers."""
+        found: tuple[H, int] | None = None
+        for depth, digest in enumerate(hashes, start=1):
+            holder = self._nodes.get(digest)
+            if holder is None:
+                break
+            found = (holder, depth)
+        return found
+
+
+def verified_prefix(stored: Sequence[int], tokens: Sequence[int], blocks: int, block_tokens: int) -> int:
+    """The common prefix of a holder's `stored` tokens and `tokens`, when the first `blocks` blocks
+    really are equal (else 0: a hash collision is a miss)."""
+    matched = blocks * block_tokens
+    if list(stored[:matched]) != list(tokens[:matched]):
+        return 0
+    return common_prefix(stored, tokens, matched)
+
+
+@dataclass(eq=False, slots=True)
+class Record:
+    """A finished request's prompt KV after its tool group: tokens `[group_len, len(tokens))` in
+    `run` (prefilled, never decoded), for the next turn of its conversation."""
+
+    tokens: tuple[int, ...]
+    group_len: int
+    ends: frozenset[int]  # where its chunks ended (chunks.chunk_ends of its tokens)
+    run: BlockRun
+    hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.run.count
+
+
+class Conversations:
+    """Conversation records: indexed by their hash chains, least recently used first."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._index: ChainIndex[Record] = ChainIndex()
+        self._records: OrderedDict[int, Record] = OrderedDict()  # id(record) -> record, oldest first
+        self.num_blocks = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def find(self, tokens: Sequence[int], hashes: list[bytes]) -> tuple[Record, int] | None:
+        """The record sharing the longest prefix with `tokens`, and that prefix's length."""
+        found = self._index.deepest(hashes)
+        if found is None:
+            return None
+        record, blocks = found
+        common = verified_prefix(record.tokens, tokens, blocks, self.block_tokens)
+        if not common:
+            return None
+        self._records.move_to_end(id(record))
+        return record, common
+
+    def add(self, record: Record, replaces: Record | None = None) -> None:
+        """Keep `record` (it holds one reference to its run). A record it covers whole (the one its
+        request copied from, or an equal prompt's) goes: nothing could reuse more of it."""
+        found = self._index.deepest(record.hashes)
+        for old in {id(r): r for r in (replaces, found[0] if found else None) if r is not None}.values():
+            if id(old) in self._records and record.tokens[:len(old.tokens)] == old.tokens:
+                self._drop(old)
+        self._records[id(record)] = record
+        self._index.add(record, record.hashes)
+        self.num_blocks += record.num_blocks
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used record, giving its blocks back; False when none is left."""
+        if not self._records:
+            return False
+        self._drop(next(iter(self._records.values())))
+        self.evictions += 1
+        return True
+
+    def clear(self) -> int:
+        count = len(self._records)
+        for record in list(self._records.values()):
+            self._drop(record)
+        return count
+
+    def holds(self, record: Record) -> bool:
+        return id(record) in self._records
+
+    def records(self) -> list[Record]:
+        return list(self._records.values())
+
+    def _drop(self, record: Record) -> None:
+        del self._records[id(record)]
+        self._index.discard(record, record.hashes)
+        self.num_blocks -= record.num_blocks
+        record.run.release()
