@@ -65,6 +65,18 @@ class ChatMessage:
     name: str | None = None
 
 
+def canonical_rank(tool: ToolSpec) -> tuple[int, str]:
+    """Where a tool goes in its group: largest schema first, then by name. A function of the tool
+    alone, so the same set in any order is the same group and adding or removing a tool never
+    moves the others. Of the orders measured on the merchant, retail and airline catalogs (name,
+    hash, size either way), largest first keeps the longest common prefix when one tool is added
+    or removed: 52-69% of the old group's tokens averaged over every position (name order: 46-53%),
+    and 95-98% when the change is at the end (the smallest tool). The KV before the first
+    differing token is reused (README, "Agent loops")."""
+    size = len(json.dumps(tool.openai_dict(), sort_keys=True, ensure_ascii=False))
+    return -size, tool.name
+
+
 @dataclass(frozen=True, slots=True)
 class ToolGroup:
     """The cacheable head of every prompt: the leading system text and the tools, canonically ordered."""
@@ -74,7 +86,7 @@ class ToolGroup:
 
     @classmethod
     def of(cls, system: str | None, tools: list[ToolSpec] | tuple[ToolSpec, ...]) -> ToolGroup:
-        return cls(system=system, tools=tuple(sorted(tools, key=lambda t: t.name)))
+        return cls(system=system, tools=tuple(sorted(tools, key=canonical_rank)))
 
     @property
     def tool_names(self) -> tuple[str, ...]:

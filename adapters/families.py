@@ -7,7 +7,7 @@ from adapters.hermes import HermesFamily
 from adapters.llama3 import Llama3Family
 from adapters.mistral import MistralFamily
 
-ADAPTER_VERSION = "1"  # bump when any rendering changes: it is part of every cache key
+ADAPTER_VERSION = "2"  # bump when any rendering changes: it is part of every cache key
 
 _FAMILIES: dict[str, type[ChatFamily]] = {
     family.name: family for family in (HermesFamily, Llama3Family, MistralFamily)

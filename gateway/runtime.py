@@ -81,6 +81,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens)
     # Prompt chunks are cut where the template's turns open (engine/chunks.py): set before any request.
     engine.turn_markers = turn_markers(tokenizer, service.renderer.template)
+    engine.conversation_reuse = settings.conversation_reuse == "on"
     engine.start()
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)

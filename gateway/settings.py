@@ -51,6 +51,9 @@ class Settings(BaseModel):
 
     # cache
     cache: Literal["on", "off"] = "on"
+    # keep a finished request's prompt KV for its conversation's next turn (README, "Agent loops");
+    # off: only tool groups are cached
+    conversation_reuse: Literal["on", "off"] = "on"
     cache_dir: Path = Path("~/.cache/toolkv")
     ram_budget_bytes: int = Field(2 * 1024**3, ge=0)  # the KV block pool: running requests and cached groups
     disk_budget_bytes: int = Field(20 * 1024**3, ge=0)

@@ -87,6 +87,7 @@ class Engine:
         self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
         self.scheduler = Scheduler(chunk_tokens)
         self.turn_markers = turn_markers
+        self.conversation_reuse = True  # keep finished prompts' KV for the next turn, and use it
         self.conversations = Conversations(block_tokens)
         self._groups: ChainIndex[CacheEntry] = ChainIndex()  # cached groups by their block chains
         self._group_chains: dict[int, tuple[CacheEntry, list[bytes]]] = {}  # id(entry) -> its chain
@@ -317,7 +318,8 @@ class Engine:
         group_from = 0
         if job.use_cache and not recompute:
             chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
-            record, rest_from = self._find_turn(prompt, group_len, ends, chain)
+            if self.conversation_reuse:
+                record, rest_from = self._find_turn(prompt, group_len, ends, chain)
             if group_len and entry is None:
                 source, group_from = self._find_group_prefix(job, group_len)
         lookup_s = time.perf_counter() - admitted
@@ -607,7 +609,8 @@ class Engine:
         compute them in a prefill chunk, with other bits (engine/chunks.py)."""
         job = seq.job
         own_tokens = len(seq.prompt) - seq.group_len
-        if not job.use_cache or job.warm is not None or seq.phase is not Phase.DECODE or own_tokens <= 0:
+        if not self.conversation_reuse or not job.use_cache or job.warm is not None or \
+                seq.phase is not Phase.DECODE or own_tokens <= 0:
             return
         record = Record(tuple(seq.prompt), seq.group_len, frozenset(seq.ends), seq.own_run.head(own_tokens),
                         seq.chain)

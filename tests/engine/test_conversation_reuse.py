@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from adapters.base import canonical_rank
+from gateway.protocol import ChatCompletionRequest
 from gateway.runtime import Runtime
 from tests.engine.conftest import generate, not_kept
 from tests.engine.test_batching import TINY_KV_BYTES_PER_TOKEN
@@ -37,8 +39,6 @@ def request(messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tok
 
 
 def prompt_len(runtime: Runtime, body: dict[str, Any]) -> int:
-    from gateway.protocol import ChatCompletionRequest
-
     return len(runtime.service.prepare(ChatCompletionRequest.model_validate(body)).job.prompt_ids)
 
 
@@ -96,9 +96,10 @@ def test_an_edited_earlier_message_reuses_only_what_precedes_it(runtime_for, air
 
 @pytest.mark.parametrize("change", ["added", "removed"])
 def test_a_tool_list_changed_at_its_end_reuses_the_cached_groups_prefix(runtime_for, merchant_tools, change):
-    """Tools are rendered in name order: a tool whose name sorts last changes only the group's end."""
+    """Tools are rendered in canonical order: the tool that sorts last changes only the group's end."""
     runtime = runtime_for("llama")
-    tools = sorted(merchant_tools[:12], key=lambda t: t["function"]["name"])
+    tools = sorted(merchant_tools[:12], key=lambda t: canonical_rank(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [t]}).tools[0].to_spec()))
     old, new = (tools[:-1], tools) if change == "added" else (tools, tools[:-1])
     question = [{"role": "system", "content": "You run a shop."}, {"role": "user", "content": "Refund order 7?"}]
     first = generate(runtime, request(question, old))

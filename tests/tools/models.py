@@ -115,10 +115,12 @@ def _script_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[int] | None:
 
 
 def scripted_runtime(settings: Settings, metrics: Metrics) -> Runtime:
-    """A runtime factory for `create_app`: the configured model, scripted."""
+    """A runtime factory for `create_app`: the configured model, scripted. Conversation reuse is
+    off: the script is read from the prompt chunks a request computes, and a reused turn would
+    not compute the message that holds it."""
     loaded = load_model(settings)
     script_model(loaded.model, loaded.tokenizer)
-    return build_runtime(settings, metrics, loaded)
+    return build_runtime(settings.model_copy(update={"conversation_reuse": "off"}), metrics, loaded)
 
 
 def script(text: str) -> str:

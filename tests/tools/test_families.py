@@ -199,13 +199,13 @@ def test_a_function_takes_no_arguments_only_when_nothing_can_be_passed(parameter
 # ---- rendering is part of every cache key ----------------------------------------------------
 
 # (ADAPTER_VERSION, fingerprint of everything the adapters write) — move both together.
-RENDERING_PIN = ("1", "c08c1be57bb0455b")
+RENDERING_PIN = ("2", "11d346d200cc9c6a")
 
 
 def rendering_fingerprint(tokenizer_dir: Path) -> str:
     """Everything the families write, plus a full SmolLM2 render; changes when rendering does."""
     tools = (ToolSpec("get_order", "Get an order.", {"type": "object", "properties": {"id": {"type": "string"}}}),
-             ToolSpec("ping", None, None))
+             ToolSpec("ping", None, None), ToolSpec("a", None, None))  # "a": name and size orders differ
     call_turn = ChatMessage("assistant", "ok", (ToolCallIn("call_abcdefghijk", "get_order", '{"id": "7"}'),))
     result = ChatMessage("tool", '{"status": "shipped"}', tool_call_id="call_abcdefghijk")
     parts: list[Any] = []
