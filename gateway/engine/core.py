@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from gateway.engine.block_pool import BlockPool, BlockRun
-from gateway.engine.chunks import chunk_ends, next_end, reuse_end
+from gateway.engine.chunks import chunk_ends, next_end
 from gateway.engine.events import (
     CacheResult,
     Failed,
@@ -50,7 +50,7 @@ from gateway.engine.events import (
 )
 from gateway.engine.model_info import eos_ids, pool_shape, special_ids
 from gateway.engine.model_runner import ModelRunner, RowKV
-from gateway.engine.prefix_index import ChainIndex, Conversations, Record, chain_hashes, verified_prefix
+from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
@@ -89,8 +89,7 @@ class Engine:
         self.turn_markers = turn_markers
         self.conversation_reuse = True  # keep finished prompts' KV for the next turn, and use it
         self.conversations = Conversations(block_tokens)
-        self._groups: ChainIndex[CacheEntry] = ChainIndex()  # cached groups by their block chains
-        self._group_chains: dict[int, tuple[CacheEntry, list[bytes]]] = {}  # id(entry) -> its chain
+        self.groups = GroupIndex(block_tokens, chunk_tokens, store.ram.holds)
         self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []
         self._running: list[Sequence] = []
@@ -319,9 +318,9 @@ class Engine:
         if job.use_cache and not recompute:
             chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
             if self.conversation_reuse:
-                record, rest_from = self._find_turn(prompt, group_len, ends, chain)
+                record, rest_from = self.conversations.find_turn(prompt, group_len, ends, chain)
             if group_len and entry is None:
-                source, group_from = self._find_group_prefix(job, group_len)
+                source, group_from = self.groups.longest(self._group_root(job.salt), prompt[:group_len])
         lookup_s = time.perf_counter() - admitted
         # Hold the blocks to copy from while allocating: making room may evict their holders.
         held = [r for r in (record.run if record else None, source.blocks if source else None) if r is not None]
@@ -377,47 +376,8 @@ class Engine:
         (it decides where the chunks are cut)."""
         return self.identity.digest_bytes() + f"\x00conversation\x00{job.tenant}\x00{group_len}".encode()
 
-    def _find_turn(self, prompt: list[int], group_len: int, ends: list[int],
-                   chain: list[bytes]) -> tuple[Record | None, int]:
-        """The conversation record to start from and the position its KV is used up to (past the
-        group), or (None, group_len)."""
-        found = self.conversations.find(prompt, chain)
-        if found is None:
-            return None, group_len
-        record, common = found
-        upto = reuse_end(ends, record.ends, common, len(record.tokens), len(prompt), group_len)
-        return (record, upto) if upto > group_len else (None, group_len)
-
-    def _find_group_prefix(self, job: Job, group_len: int) -> tuple[CacheEntry | None, int]:
-        """A cached group in RAM sharing a prefix with this one, and how much of it to copy: the
-        last multiple of the chunk size inside the common prefix (group chunks end there)."""
-        found = self._groups.deepest(self._group_chain(job.salt, job.prompt_ids[:group_len]))
-        if found is None:
-            return None, 0
-        entry, blocks = found
-        if entry.blocks is None or not self.store.ram.holds(entry):
-            self._unindex_group(entry)  # evicted: its blocks may belong to someone else by now
-            return None, 0
-        common = verified_prefix(entry.key.token_ids, job.prompt_ids[:group_len], blocks, self.pool.block_tokens)
-        chunk = self.scheduler.chunk_tokens
-        upto = min(common, entry.num_tokens, group_len - 1) // chunk * chunk
-        return (entry, upto) if upto > 0 else (None, 0)
-
-    def _group_chain(self, salt: str, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
-        return chain_hashes(self.key_for([], salt).digest.encode(), tokens, self.pool.block_tokens)
-
-    def _index_group(self, entry: CacheEntry, salt: str) -> None:
-        for held, _ in list(self._group_chains.values()):  # forget groups the RAM tier let go
-            if not self.store.ram.holds(held):
-                self._unindex_group(held)
-        chain = self._group_chain(salt, entry.key.token_ids)
-        self._groups.add(entry, chain)
-        self._group_chains[id(entry)] = (entry, chain)
-
-    def _unindex_group(self, entry: CacheEntry) -> None:
-        held = self._group_chains.pop(id(entry), None)
-        if held is not None:
-            self._groups.discard(entry, held[1])
+    def _group_root(self, salt: str) -> bytes:
+        return self.key_for([], salt).digest.encode()
 
     def _warm_sequence(self, job: Job) -> Sequence | None:
         """A sequence that only computes and stores its group; None when the group is cached."""
@@ -468,7 +428,7 @@ class Engine:
                            created_at=loaded.created_at, last_used_at=loaded.last_used_at, hits=loaded.hits,
                            blocks=run)
         self.store.keep_in_ram(entry)  # replaces the loaded copy; the run's reference is the sequence's
-        self._index_group(entry, salt)
+        self.groups.add(entry, self._group_root(salt))
         return entry
 
     def _let_go(self, entry: CacheEntry) -> None:
@@ -527,7 +487,7 @@ class Engine:
         entry = CacheEntry(key=key, layers=run.entry_layers(len(key.token_ids)), group_id=job.group_id,
                            tool_names=job.tool_names, compile_s=compile_s, blocks=run)
         self.store.insert(entry)
-        self._index_group(entry, job.salt)
+        self.groups.add(entry, self._group_root(job.salt))
         log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", job.group_id or "-",
                  len(key.token_ids), compile_s, entry.num_bytes / 1e6)
         return entry

@@ -24,12 +24,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from gateway.engine.block_pool import BlockRun
-from gateway.engine.chunks import common_prefix
+from gateway.engine.chunks import common_prefix, reuse_end
+from gateway.kvcache.entry import CacheEntry
 
 H = TypeVar("H")
 
@@ -123,6 +124,17 @@ class Conversations:
         self._records.move_to_end(id(record))
         return record, common
 
+    def find_turn(self, prompt: Sequence[int], group_len: int, ends: list[int],
+                  chain: list[bytes]) -> tuple[Record | None, int]:
+        """The record to start `prompt` from and the position its KV is used up to (a chunk end of
+        both, past the group: chunks.reuse_end), or (None, group_len)."""
+        found = self.find(prompt, chain)
+        if found is None:
+            return None, group_len
+        record, common = found
+        upto = reuse_end(ends, record.ends, common, len(record.tokens), len(prompt), group_len)
+        return (record, upto) if upto > group_len else (None, group_len)
+
     def add(self, record: Record, replaces: Record | None = None) -> None:
         """Keep `record` (it holds one reference to its run). A record it covers whole (the one its
         request copied from, or an equal prompt's) goes: nothing could reuse more of it."""
@@ -159,3 +171,43 @@ class Conversations:
         self._index.discard(record, record.hashes)
         self.num_blocks -= record.num_blocks
         record.run.release()
+
+
+class GroupIndex:
+    """Cached tool groups by their block chains, for a tool list that is not cached: the cached
+    group (in RAM) with the longest common prefix, used up to the last multiple of the chunk size
+    inside it (where group chunks end). Holds no blocks: an entry the RAM tier let go is skipped
+    (its blocks may be someone else's by now) and forgotten."""
+
+    def __init__(self, block_tokens: int, chunk_tokens: int, kept: Callable[[CacheEntry], bool]) -> None:
+        self.block_tokens = block_tokens
+        self.chunk_tokens = chunk_tokens
+        self._kept = kept
+        self._index: ChainIndex[CacheEntry] = ChainIndex()
+        self._chains: dict[int, tuple[CacheEntry, list[bytes]]] = {}  # id(entry) -> its chain
+
+    def add(self, entry: CacheEntry, root: bytes) -> None:
+        for held, _ in list(self._chains.values()):  # forget groups the RAM tier let go
+            if not self._kept(held):
+                self._forget(held)
+        chain = chain_hashes(root, entry.key.token_ids, self.block_tokens)
+        self._index.add(entry, chain)
+        self._chains[id(entry)] = (entry, chain)
+
+    def longest(self, root: bytes, group: Sequence[int]) -> tuple[CacheEntry | None, int]:
+        """The entry to start `group` from and how many of its tokens to copy, or (None, 0)."""
+        found = self._index.deepest(chain_hashes(root, group, self.block_tokens))
+        if found is None:
+            return None, 0
+        entry, blocks = found
+        if entry.blocks is None or not self._kept(entry):
+            self._forget(entry)
+            return None, 0
+        common = verified_prefix(entry.key.token_ids, group, blocks, self.block_tokens)
+        upto = min(common, entry.num_tokens, len(group) - 1) // self.chunk_tokens * self.chunk_tokens
+        return (entry, upto) if upto > 0 else (None, 0)
+
+    def _forget(self, entry: CacheEntry) -> None:
+        held = self._chains.pop(id(entry), None)
+        if held is not None:
+            self._index.discard(entry, held[1])
