@@ -1,0 +1,66 @@
+"""Where prompts are cut, how far an earlier prompt's KV may be used, and that the block index
+trusts token ids, never a hash alone (gateway/engine/chunks.py, prefix_index.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from gateway.engine.block_pool import BlockPool, PoolShape
+from gateway.engine.chunks import chunk_ends, reuse_end, turn_markers
+from gateway.engine.prefix_index import Conversations, Record, chain_hashes
+
+M = 1  # the turn marker in these prompts
+
+
+def test_the_group_is_cut_on_a_grid_and_the_rest_at_markers_then_on_a_grid_from_each():
+    ids = [5] * 300 + [M] + [6] * 10 + [M] + [7] * 40
+    assert chunk_ends(ids, 300, 128, {M}) == [128, 256, 300, 311, 352]
+    assert chunk_ends(ids, 300, 32, {M}) == [32, 64, 96, 128, 160, 192, 224, 256, 288, 300, 311, 343, 352]
+    assert chunk_ends([M, 2, 3], 0, 128, set()) == [3]
+
+
+def test_a_next_turn_reuses_up_to_the_marker_that_opened_the_last_generation_prompt():
+    old = [9] * 20 + [M, 2, 3, 4] + [M, 8]  # ... user turn, then `<marker> assistant`
+    new = old + [5, 5, 5] + [M, 6, 6] + [M, 8]  # the answer, a tool result, a new generation prompt
+    new_ends, old_ends = chunk_ends(new, 20, 128, {M}), set(chunk_ends(old, 20, 128, {M}))
+    assert reuse_end(new_ends, old_ends, len(old), len(old), len(new), 20) == 24
+    edited = old[:22] + [7] + old[23:]  # a change inside the user turn: only the group is left
+    assert reuse_end(chunk_ends(edited, 20, 128, {M}), old_ends, 22, len(old), len(edited), 20) == 20
+    # the very same prompt again: its last chunk is computed (the logits come from it)
+    assert reuse_end(chunk_ends(old, 20, 128, {M}), old_ends, len(old), len(old), len(old), 20) == 24
+
+
+def _record(pool: BlockPool, tokens: list[int], root: bytes) -> Record:
+    run = pool.allocate(len(tokens))
+    assert run is not None
+    return Record(tuple(tokens), 0, frozenset(chunk_ends(tokens, 0, 128, {M})), run, chain_hashes(root, tokens, 4))
+
+
+def test_the_index_never_trusts_a_hash_alone_and_tenants_chains_never_meet():
+    pool = BlockPool(PoolShape(1, 1, 2, torch.float32), 1 << 16, 4, torch.device("cpu"))
+    conversations = Conversations(block_tokens=4)
+    mine = [M, 2, 3, 4, 5, 6, 7, 8, M, 9]
+    conversations.add(_record(pool, mine, b"tenant-a"))
+    assert conversations.find(mine, chain_hashes(b"tenant-a", mine, 4)) is not None
+    assert conversations.find(mine, chain_hashes(b"tenant-b", mine, 4)) is None
+    other = [M, 2, 3, 4, 50, 60, 70, 80, M, 9]
+    forged = chain_hashes(b"tenant-a", mine, 4)  # as if `other` collided with `mine` on every block
+    assert conversations.find(other, forged) is None
+
+
+def test_a_record_covered_by_a_later_turn_goes_and_eviction_frees_its_blocks():
+    pool = BlockPool(PoolShape(1, 1, 2, torch.float32), 1 << 16, 4, torch.device("cpu"))
+    conversations = Conversations(block_tokens=4)
+    first = _record(pool, [M, 2, 3, 4, 5, 6, 7, 8], b"r")
+    conversations.add(first)
+    second = _record(pool, [M, 2, 3, 4, 5, 6, 7, 8, M, 9, 9, 9], b"r")
+    conversations.add(second, replaces=first)
+    assert conversations.records() == [second] and pool.num_used == second.num_blocks
+    assert conversations.evict_oldest() and pool.num_used == 0 and len(conversations) == 0
+
+
+def test_the_turn_marker_is_the_token_that_opens_the_generation_prompt(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert turn_markers(tokenizer, tokenizer.chat_template) == {tokenizer.convert_tokens_to_ids("<|im_start|>")}
