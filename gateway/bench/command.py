@@ -27,6 +27,7 @@ from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
 from gateway.bench.server import ServerFailed, SpawnedServer
+from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools
 
 FLOOR_QUESTIONS = 5
@@ -34,18 +35,23 @@ FLOOR_QUESTIONS = 5
 
 def run(args: argparse.Namespace) -> int:
     console, progress_console = Console(), Console(stderr=True)
+    names = args.scenario or [n for n in SCENARIOS if n != "restart" or args.spawn]
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
+        trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
+                        if "agent" in names else None)
     except (WorkloadError, ValueError) as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 2
+    if trajectories is not None:
+        plan = dataclasses.replace(plan, agent_turns=trajectories.num_turns)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir, own_cache = _cache_dir(args)
     started = time.perf_counter()
     try:
         results, floors, floor_skipped, meta = asyncio.run(
-            _run_http(args, plan, catalog, out_dir, cache_dir, progress_console))
+            _run_http(args, names, plan, catalog, trajectories, out_dir, cache_dir, progress_console))
     except ServerFailed as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 1
@@ -67,16 +73,20 @@ def _plan(args: argparse.Namespace) -> Plan:
                                                  ("requests_per_client", args.requests_per_client),
                                                  ("mixed_groups", args.mixed_groups),
                                                  ("concurrent_max_tokens", args.concurrent_max_tokens),
-                                                 ("compile_tools", args.compile_tools)) if v is not None}
+                                                 ("compile_tools", args.compile_tools),
+                                                 ("conversations", args.conversations),
+                                                 ("agent_max_tokens", args.agent_max_tokens)) if v is not None}
     if args.tool_counts:
         changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
     if args.clients:
         changes["clients"] = tuple(sorted(set(_int_list("--clients", args.clients))))
     plan = dataclasses.replace(plan, **changes)
     if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
-           plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools) < 1:
+           plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools, plan.conversations,
+           plan.agent_max_tokens) < 1:
         raise ValueError("--tools, --requests, --groups, --clients, --tool-counts, --requests-per-client, "
-                         "--mixed-groups, --concurrent-max-tokens and --compile-tools must be at least 1")
+                         "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations and "
+                         "--agent-max-tokens must be at least 1")
     return plan
 
 
@@ -96,8 +106,8 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
     return Path(tempfile.mkdtemp(prefix="toolkv-bench-")), True
 
 
-async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str, Any]], out_dir: Path,
-                    cache_dir: Path | None, console: Console
+async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, catalog: list[dict[str, Any]],
+                    trajectories: Trajectories | None, out_dir: Path, cache_dir: Path | None, console: Console
                     ) -> tuple[list[ScenarioResult], dict[int, FloorResult], str | None, dict[str, Any]]:
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
                            config=args.config) if cache_dir is not None else None
@@ -112,8 +122,7 @@ async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str
         workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
-        names = args.scenario or [n for n in SCENARIOS if n != "restart" or args.spawn]
-        results = await _run_scenarios(names, client, workload, plan, server, console)
+        results = await _run_scenarios(names, client, workload, plan, trajectories, server, console)
         floors, floor_skipped = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
@@ -123,7 +132,8 @@ async def _run_http(args: argparse.Namespace, plan: Plan, catalog: list[dict[str
 
 
 async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
-                         server: SpawnedServer | None, console: Console) -> list[ScenarioResult]:
+                         trajectories: Trajectories | None, server: SpawnedServer | None,
+                         console: Console) -> list[ScenarioResult]:
     total = sum(SCENARIOS[n].planned(plan) for n in names)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -133,7 +143,8 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
             ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
             progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
-        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n))
+        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n),
+                      trajectories)
         results, done = [], 0
         for name in names:
             progress.update(task, description=f"{name:<15}")
@@ -154,7 +165,8 @@ def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | Non
         "base_url": base_url, "spawned": bool(args.spawn), "model": served, "run_id": workload.run_id,
         "options": {**dataclasses.asdict(plan), "max_tokens": workload.max_tokens,
                     "tool_choice": workload.tool_choice, "tools_in_system": workload.tools_in_system,
-                    "tools_file": str(args.tools_file), "quick": bool(args.quick)},
+                    "tools_file": str(args.tools_file), "quick": bool(args.quick),
+                    "trajectories": str(args.trajectories), "trajectory_tools": str(args.trajectory_tools)},
         "host": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
 
@@ -165,12 +177,14 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
     """The floor per group size, each timing paired with an HTTP hit; or why it was skipped."""
     if args.no_floor:
         return {}, "disabled with --no-floor"
+    groups = _floor_groups(results, plan, args.quick)
+    if not groups:
+        return {}, "no hit on a group of the tool catalog to pair it with"
     probe = None
     try:
         settings = _floor_settings(args, served)
         if settings is None:
             return {}, "the server's model is not the configured one: pass --floor-model"
-        groups = _floor_groups(results, plan, args.quick)
         with console.status(f"measuring the floor in-process ({settings.model}, groups {', '.join(groups)}) ..."):
             probe = await asyncio.to_thread(FloorProbe, settings)
             measured = [await measure_floor(probe, client, workload, workload.group(label, n),
@@ -201,6 +215,8 @@ def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dic
     """One group per size that had hits on a group starting at tool 0: label -> tools."""
     by_size: dict[int, str] = {}
     for result in results:
+        if result.name == "agent":  # its tool group is not the catalog's
+            continue
         for s in result.samples:
             if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:
                 by_size[s.num_tools] = s.group

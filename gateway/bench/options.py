@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJECTORY_TOOLS_FILE
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
-SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak")
+SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent")
 
 
 def register(sub: Any) -> None:
@@ -44,6 +45,14 @@ def register(sub: Any) -> None:
     p.add_argument("--compile-tools", type=int,
                    help="tools in the group that compiles during the compile-overlap hits "
                         "(default 20, ~3,000 tokens; --tools with --quick)")
+    p.add_argument("--conversations", type=int,
+                   help="tau-bench conversations the agent scenario replays, in (task, trial) order "
+                        "(default 1: task 0, trial 0)")
+    p.add_argument("--agent-max-tokens", type=int, help="tokens to generate per agent turn (default 16)")
+    p.add_argument("--trajectories", type=Path, default=DEFAULT_TRAJECTORIES_FILE,
+                   help="the agent scenario's JSON lines, one agent step each: {task_id, trial, turn_index, messages}")
+    p.add_argument("--trajectory-tools", type=Path, default=DEFAULT_TRAJECTORY_TOOLS_FILE,
+                   help="a JSON list of OpenAI tools sent with every agent turn (default: tau-bench airline's)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
     p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
                    help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "

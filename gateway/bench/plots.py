@@ -1,6 +1,7 @@
 """PNG plots of a bench report: TTFT against tool count (miss, hit, floor), a request timeline,
-and (when the concurrent or compile-overlap scenario ran) concurrency: output tokens/s and hit
-TTFT against clients, and hit TTFT alone vs during another group's compile.
+(when the concurrent or compile-overlap scenario ran) concurrency: output tokens/s and hit TTFT
+against clients, and hit TTFT alone vs during another group's compile; and (when the agent
+scenario ran) per turn of each conversation: cached, computed and new tokens, and TTFT.
 Uses matplotlib's object API (no pyplot, so no global figure state and no display needed)."""
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     if ran:
         paths.append(out_dir / "concurrency.png")
         _concurrency(report, paths[-1])
+    agent = report["scenarios"].get("agent")
+    if agent and not agent.get("skipped"):
+        paths.append(out_dir / "agent.png")
+        _agent(agent, report.get("model"), paths[-1])
     return paths
 
 
@@ -177,3 +182,43 @@ def _overlap_bars(overlap: dict[str, Any], ax: Any) -> None:
     if ratio is not None:
         ax.annotate(f"during / alone = {ratio:.2f}x", (0.02, 0.95), xycoords="axes fraction", va="top", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
+
+
+def _agent(agent: dict[str, Any], model: str | None, path: Path) -> None:
+    """Per turn, in the order sent: prompt tokens split into cached and computed; computed tokens
+    beside the new messages' tokens (a server that reuses the conversation computes about as many);
+    TTFT. Conversations are separated by vertical lines."""
+    rows = agent["turns"]
+    fig = _figure(max(7.0, 0.35 * len(rows) + 3.5), 9)
+    prompt_ax, computed_ax, ttft_ax = fig.subplots(3, 1, sharex=True)
+    x = list(range(len(rows)))
+    cached = [r["cached_tokens"] or 0 for r in rows]
+    computed = [r["computed_tokens"] if r["computed_tokens"] is not None else (r["prompt_tokens"] or 0) for r in rows]
+    prompt_ax.bar(x, cached, color=COLORS["hit"], label="cached")
+    prompt_ax.bar(x, computed, bottom=cached, color=COLORS["miss"], label="computed")
+    prompt_ax.set_ylabel("prompt tokens")
+    computed_ax.bar([i - 0.2 for i in x], computed, width=0.4, color=COLORS["miss"], label="computed")
+    computed_ax.bar([i + 0.2 for i in x], [r["new_tokens"] or 0 for r in rows], width=0.4, color="#7f7f7f",
+                    label="new since the conversation's\nprevious turn (prompt delta)")
+    computed_ax.set_ylabel("tokens")
+    ttft_ax.bar(x, [r["ttft_ms"] or 0.0 for r in rows],
+                color=[COLORS["error"] if r["error"] else COLORS["floor"] for r in rows], label="TTFT")
+    ttft_ax.set_ylabel("time to first token (ms)")
+    ttft_ax.set_xlabel("turn (the file's turn_index), in the order sent")
+    for ax in (prompt_ax, computed_ax, ttft_ax):
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        _conversation_bounds(ax, rows, labelled=ax is prompt_ax)
+    if len(rows) <= 60:
+        ttft_ax.set_xticks(x, [str(r["turn"]) for r in rows], fontsize=7)
+    fig.suptitle(f"agent: tau-bench conversations turn by turn: {model}")
+    fig.savefig(path)
+
+
+def _conversation_bounds(ax: Any, rows: list[dict[str, Any]], *, labelled: bool) -> None:
+    for i, row in enumerate(rows):
+        if row["first_turn"] and i > 0:
+            ax.axvline(i - 0.5, color="#888888", lw=0.8)
+        if row["first_turn"] and labelled:
+            ax.annotate(row["conversation"], (i - 0.4, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                        va="bottom", xytext=(0, 2), textcoords="offset points")

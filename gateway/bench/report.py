@@ -1,7 +1,7 @@
 """Numbers from samples: p50/p95 per class (miss, hit, bypass), speedup = miss p50 / hit p50,
 the floor and a hit's overhead above it; per concurrency case hit TTFT and aggregate output
-tokens/s, and the ratios against one client and against hits alone; the issues' targets; the JSON
-report and the tables."""
+tokens/s, and the ratios against one client and against hits alone; the agent scenario's rows (in
+agent_report); the issues' targets; the JSON report and the tables."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from gateway.bench.agent_report import agent_lines, agent_stats, agent_table, agent_target
 from gateway.bench.client import Sample
 from gateway.bench.floor import FloorResult
 from gateway.bench.scenarios import ScenarioResult
@@ -110,6 +111,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(concurrent_stats(result.samples, result.details.get("cases", [])))
     elif result.name == "compile-overlap":
         out.update(overlap_stats(result.samples))
+    elif result.name == "agent":  # one row per turn
+        out.update(agent_stats(result.samples))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
         out["errors"] = sum(1 for s in result.samples if s.cache == "error")
     else:
@@ -216,6 +219,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "hit_ttft_4_clients_at_most_2x": None if ttft_ratio is None else ttft_ratio <= TARGET_TTFT_RATIO_4,
         "hit_ttft_during_compile_at_most_4x": None if overlap is None else overlap <= TARGET_COMPILE_OVERLAP_RATIO,
         "rss_flat_over_soak": None if growth is None or not first else growth <= TARGET_RSS_GROWTH * first,
+        "agent_computes_only_new_messages": agent_target(scenarios.get("agent", {})),
     }
 
 
@@ -247,12 +251,15 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     concurrency = concurrency_table(report)
     if concurrency is not None:
         console.print(concurrency)
+    agent = report["scenarios"].get("agent")
+    if agent and not agent.get("skipped"):
+        console.print(agent_table(agent))
     for line in _extra_lines(report):
         console.print(line)
 
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak")  # reported on lines of their own, not in the main table
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent")  # reported on lines of their own, not in the main table
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -336,6 +343,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"soak: {k['requests']:,} requests over {k['groups']} groups from {k['clients']} clients, "
                      f"{k['errors']} errors; server RSS (MB) every 10%: {shown}; growth "
                      f"{_num(k['rss_growth_mb'])} MB (target: at most {TARGET_RSS_GROWTH:.0%})")
+    if "agent" in s and not s["agent"].get("skipped"):
+        lines += agent_lines(s["agent"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

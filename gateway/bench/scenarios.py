@@ -1,4 +1,4 @@
-"""The seven scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The eight scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
@@ -8,6 +8,7 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 5 concurrent       1, 4, 8 streaming clients at once, on one warm group and on mixed warm groups
 6 compile-overlap  hits on a warm group alone, then while another group's first request compiles
 7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
+8 agent            tau-bench conversations replayed turn by turn, each turn the whole conversation so far
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 from gateway.bench.client import BenchClient, ContextTooLong, Expected, Sample
 from gateway.bench.options import SCENARIO_NAMES
+from gateway.bench.trajectories import Conversation, Trajectories, turn_body
 from gateway.bench.workload import ToolGroup, Workload, WorkloadError
 
 
@@ -44,6 +46,9 @@ class Plan:
     soak_groups: int = 8
     soak_tools: int = 5  # small groups: the soak measures memory over many requests, not prefill
     soak_clients: int = 4
+    conversations: int = 1  # agent: tau-bench conversations replayed, in (task, trial) order
+    agent_max_tokens: int = 16
+    agent_turns: int = 0  # requests the agent scenario sends: its conversations' turns, once loaded
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
@@ -65,12 +70,17 @@ class Context:
     server: Restartable | None
     on_sample: Callable[[Sample], None]
     on_skip: Callable[[int], None]  # planned requests that will not be sent
+    trajectories: Trajectories | None = None  # the agent scenario's conversations
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
                    max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
                    **tags: Any) -> Sample:
         sample = Sample(scenario, group.label, group.num_tools, group.offset, expected, bypass, 0.0, tags=tags)
-        await self.client.chat(self.workload.body(group, max_tokens, talk=talk), sample, on_sent)
+        return await self.send_body(sample, self.workload.body(group, max_tokens, talk=talk), on_sent)
+
+    async def send_body(self, sample: Sample, body: dict[str, Any],
+                        on_sent: Callable[[], None] | None = None) -> Sample:
+        await self.client.chat(body, sample, on_sent)
         self.on_sample(sample)
         return sample
 
@@ -276,6 +286,42 @@ async def run_soak(ctx: Context) -> ScenarioResult:
     return result
 
 
+async def run_agent(ctx: Context) -> ScenarioResult:
+    """Each conversation's turns in order, one request each with the whole conversation so far (the
+    rows and the summary are computed in agent_report)."""
+    name = "agent"
+    if ctx.trajectories is None:
+        return ScenarioResult(name, skipped="no trajectories loaded")
+    result = ScenarioResult(name, details={"conversations": len(ctx.trajectories.conversations),
+                                           "max_tokens": ctx.plan.agent_max_tokens})
+    for conversation in ctx.trajectories.conversations:
+        await _replay(ctx, conversation, ctx.trajectories.tools, result)
+    answered = [s for s in result.samples if s.error is None]
+    if answered and all(s.prompt_tokens is None for s in answered):
+        result.notes.append("the server sent no usage in its stream: prompt, cached and computed tokens unknown, "
+                            "only TTFT measured (the same turns sent to toolkv give the token counts)")
+    elif answered and all(s.cached_tokens is None for s in answered):
+        result.notes.append("the server reports no usage.prompt_tokens_details.cached_tokens: computed tokens unknown")
+    return result
+
+
+async def _replay(ctx: Context, conversation: Conversation, tools: tuple[dict[str, Any], ...],
+                  result: ScenarioResult) -> None:
+    """One request per turn; a turn beyond the model's context ends its conversation."""
+    for position, turn in enumerate(conversation.turns):
+        sample = Sample(result.name, conversation.label, len(tools), 0, "any", False, 0.0,
+                        tags={"task_id": conversation.task_id, "trial": conversation.trial, "turn": turn.index})
+        try:
+            await ctx.send_body(sample, turn_body(turn, tools, ctx.workload, ctx.plan.agent_max_tokens))
+        except ContextTooLong as exc:
+            left = len(conversation.turns) - position
+            result.notes.append(f"{conversation.label}: turn {turn.index} and the {left - 1} after it skipped, "
+                                f"beyond the model's context ({exc})")
+            ctx.on_skip(left)
+            return
+        result.samples.append(sample)
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 2) if numerator and denominator else None
 
@@ -296,5 +342,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client),
     Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
     Scenario("soak", run_soak, lambda p: p.soak_requests),
+    Scenario("agent", run_agent, lambda p: p.agent_turns),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

@@ -71,7 +71,8 @@ def test_targets_are_unknown_when_not_measured():
     assert targets({}) == {"hit_speedup_at_least_15x": None, "hit_overhead_under_20ms": None,
                            "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None,
                            "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
-                           "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None}
+                           "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
+                           "agent_computes_only_new_messages": None}
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 30.0}})["rss_flat_over_soak"] is True
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}})["rss_flat_over_soak"] is False
     measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
@@ -80,7 +81,8 @@ def test_targets_are_unknown_when_not_measured():
     assert measured == {"hit_speedup_at_least_15x": True, "hit_overhead_under_20ms": True,
                         "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False,
                         "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
-                        "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None}
+                        "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
+                        "agent_computes_only_new_messages": None}
 
 
 def conc(case: str, ttft_s: float, tokens: int | None, *, cached: int = 2990, chunks: int = 0,
@@ -145,3 +147,13 @@ def test_clients_option_is_a_comma_list():
     for bad in ("0,4", "1,x"):
         with pytest.raises(ValueError, match="--clients"):
             _plan(_args("--clients", bad))
+
+
+def test_agent_options():
+    plan = _plan(_args())
+    assert plan.conversations == 1 and plan.agent_max_tokens == 16
+    plan = _plan(_args("--conversations", "3", "--agent-max-tokens", "4"))
+    assert plan.conversations == 3 and plan.agent_max_tokens == 4
+    for bad in (("--conversations", "0"), ("--agent-max-tokens", "0")):
+        with pytest.raises(ValueError, match=bad[0]):
+            _plan(_args(*bad))
