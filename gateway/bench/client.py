@@ -116,14 +116,29 @@ class BenchClient:
     async def resident_mb(self) -> float | None:
         """The server's resident memory from its /metrics (`process_resident_memory_bytes`), in
         MB; None when the server does not export it."""
+        rss = (await self.metrics()).get("process_resident_memory_bytes")
+        return None if rss is None else round(rss / 1e6, 1)
+
+    async def metrics(self) -> dict[str, float]:
+        """The server's /metrics as {series: value}, a series named as written there, labels and
+        all (`toolkv_kv_blocks{state="used"}`); empty when the server has none."""
         try:
-            resp = await self._http.get(self.base_url.removesuffix("/v1") + "/metrics")
+            resp = await self._http.get(self.root_url + "/metrics")
         except httpx.HTTPError:
+            return {}
+        return parse_metrics(resp.text) if resp.status_code == 200 else {}
+
+    async def get_json(self, path: str) -> Any:
+        """GET `path` from the server's root; None on any failure (the caller treats it as unknown)."""
+        try:
+            resp = await self._http.get(self.root_url + path)
+            return resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
             return None
-        for line in resp.text.splitlines() if resp.status_code == 200 else ():
-            if line.startswith("process_resident_memory_bytes "):
-                return round(float(line.split()[1]) / 1e6, 1)
-        return None
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
 
     def api_url(self, path: str) -> str:
         root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
@@ -204,6 +219,19 @@ def _raise_for_body(status: int, text: str) -> None:
     if code == "context_length_exceeded" or (status == 400 and "context" in (message or text).lower()):
         raise ContextTooLong(message or text)
     raise _ServerError(f"HTTP {status}: {(message or text)[:300]}")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {series: value}; comments and unparsable lines are skipped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series and not line.startswith("#"):
+            try:
+                out[series] = float(value)
+            except ValueError:
+                pass
+    return out
 
 
 def parse_server_timing(header: str | None) -> dict[str, float] | None:

@@ -35,7 +35,7 @@ FLOOR_QUESTIONS = 5
 
 def run(args: argparse.Namespace) -> int:
     console, progress_console = Console(), Console(stderr=True)
-    names = args.scenario or [n for n in SCENARIOS if n != "restart" or args.spawn]
+    names = args.scenario or [n for n in SCENARIOS if (n != "restart" or args.spawn) and n != "history"]
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
         trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
@@ -75,7 +75,10 @@ def _plan(args: argparse.Namespace) -> Plan:
                                                  ("concurrent_max_tokens", args.concurrent_max_tokens),
                                                  ("compile_tools", args.compile_tools),
                                                  ("conversations", args.conversations),
-                                                 ("agent_max_tokens", args.agent_max_tokens)) if v is not None}
+                                                 ("agent_max_tokens", args.agent_max_tokens),
+                                                 ("history_tokens", args.history_tokens),
+                                                 ("history_window", args.history_window),
+                                                 ("history_turns", args.history_turns)) if v is not None}
     if args.tool_counts:
         changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
     if args.clients:
@@ -83,10 +86,11 @@ def _plan(args: argparse.Namespace) -> Plan:
     plan = dataclasses.replace(plan, **changes)
     if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
            plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools, plan.conversations,
-           plan.agent_max_tokens) < 1:
+           plan.agent_max_tokens, plan.history_tokens, plan.history_window, plan.history_turns) < 1:
         raise ValueError("--tools, --requests, --groups, --clients, --tool-counts, --requests-per-client, "
-                         "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations and "
-                         "--agent-max-tokens must be at least 1")
+                         "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations, "
+                         "--agent-max-tokens, --history-tokens, --history-window and --history-turns "
+                         "must be at least 1")
     return plan
 
 
@@ -215,7 +219,7 @@ def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dic
     """One group per size that had hits on a group starting at tool 0: label -> tools."""
     by_size: dict[int, str] = {}
     for result in results:
-        if result.name == "agent":  # its tool group is not the catalog's
+        if result.name in ("agent", "history"):  # not the catalog's groups and questions
             continue
         for s in result.samples:
             if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:

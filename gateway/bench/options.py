@@ -11,7 +11,8 @@ from typing import Any
 from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJECTORY_TOOLS_FILE
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
-SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent")
+SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
+                  "history")
 
 
 def register(sub: Any) -> None:
@@ -27,7 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="the model id to request (default: the first of GET /v1/models); "
                                     "with --spawn, also what the server loads")
     p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
-                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all; restart only with --spawn)")
+                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, which runs only "
+                        "when named; restart only with --spawn)")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
     p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")
@@ -53,6 +55,14 @@ def register(sub: Any) -> None:
                    help="the agent scenario's JSON lines, one agent step each: {task_id, trial, turn_index, messages}")
     p.add_argument("--trajectory-tools", type=Path, default=DEFAULT_TRAJECTORY_TOOLS_FILE,
                    help="a JSON list of OpenAI tools sent with every agent turn (default: tau-bench airline's)")
+    p.add_argument("--history-tokens", type=int,
+                   help="prompt tokens the history scenario sends over all its conversations "
+                        "(default 1,000,000; 100,000 with --quick)")
+    p.add_argument("--history-window", type=int,
+                   help="conversations the history scenario keeps live at once, each turn to one of them at "
+                        "random (default 16)")
+    p.add_argument("--history-turns", type=int,
+                   help="turns per history conversation, each adding a user message of ~300 tokens (default 8)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
     p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
                    help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "

@@ -1,7 +1,8 @@
 """PNG plots of a bench report: TTFT against tool count (miss, hit, floor), a request timeline,
 (when the concurrent or compile-overlap scenario ran) concurrency: output tokens/s and hit TTFT
 against clients, and hit TTFT alone vs during another group's compile; and (when the agent
-scenario ran) per turn of each conversation: cached, computed and new tokens, and TTFT.
+scenario ran) per turn of each conversation: cached, computed and new tokens, and TTFT; (when the
+history scenario ran) the server's RSS and its pool against the history sent.
 Uses matplotlib's object API (no pyplot, so no global figure state and no display needed)."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     if agent and not agent.get("skipped"):
         paths.append(out_dir / "agent.png")
         _agent(agent, report.get("model"), paths[-1])
+    history = report["scenarios"].get("history")
+    if history and not history.get("skipped"):
+        paths.append(out_dir / "history.png")
+        _history(history, report.get("model"), paths[-1])
     return paths
 
 
@@ -222,3 +227,33 @@ def _conversation_bounds(ax: Any, rows: list[dict[str, Any]], *, labelled: bool)
         if row["first_turn"] and labelled:
             ax.annotate(row["conversation"], (i - 0.4, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
                         va="bottom", xytext=(0, 2), textcoords="offset points")
+
+
+def _history(history: dict[str, Any], model: str | None, path: Path) -> None:
+    """At each reading, against the prompt tokens sent so far: the server's RSS (flat once the
+    pool is warm), and the pool's blocks in use and the conversation records it holds."""
+    readings = [r for r in history["readings"] if r["rss_mb"] is not None]
+    tokens = [r["tokens"] for r in readings]
+    fig = _figure(8, 6)
+    rss_ax, pool_ax = fig.subplots(2, 1, sharex=True)
+    rss_ax.plot(tokens, [r["rss_mb"] for r in readings], marker="o", color=COLORS["floor"])
+    rss_ax.set_ylim(bottom=0)
+    rss_ax.set_ylabel("server RSS (MB)")
+    pool_ax.plot(tokens, [r["kv_blocks_used"] for r in readings], marker="o", color=COLORS["miss"])
+    pool_ax.set_ylim(0, history["pool"]["blocks"] or None)
+    pool_ax.set_ylabel(f"KV blocks in use (of {_count(history['pool']['blocks'])})", color=COLORS["miss"])
+    records_ax = pool_ax.twinx()  # a few records, hundreds of blocks: an axis each
+    records_ax.plot(tokens, [r["conversation_records"] for r in readings], marker="s", color=COLORS["hit"])
+    records_ax.set_ylim(bottom=0)
+    records_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    records_ax.set_ylabel("conversation records", color=COLORS["hit"])
+    pool_ax.set_xlabel("prompt tokens sent")
+    for ax in (rss_ax, pool_ax):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"history: {history['tokens_sent']:,} prompt tokens over {history['conversations']:,} "
+                 f"conversations: {model}")
+    fig.savefig(path)
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"

@@ -1,7 +1,8 @@
 """Numbers from samples: p50/p95 per class (miss, hit, bypass), speedup = miss p50 / hit p50,
 the floor and a hit's overhead above it; per concurrency case hit TTFT and aggregate output
 tokens/s, and the ratios against one client and against hits alone; the agent scenario's rows (in
-agent_report); the issues' targets; the JSON report and the tables."""
+agent_report) and the history scenario's (in history_report); the issues' targets; the JSON
+report and the tables."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.table import Table
 from gateway.bench.agent_report import agent_lines, agent_stats, agent_table, agent_target
 from gateway.bench.client import Sample
 from gateway.bench.floor import FloorResult
+from gateway.bench.history_report import history_lines, history_stats, history_target
 from gateway.bench.scenarios import ScenarioResult
 
 CLASSES = ("miss", "hit", "bypass")
@@ -113,6 +115,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(overlap_stats(result.samples))
     elif result.name == "agent":  # one row per turn
         out.update(agent_stats(result.samples))
+    elif result.name == "history":  # about memory too
+        out.update(history_stats(result.samples))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
         out["errors"] = sum(1 for s in result.samples if s.cache == "error")
     else:
@@ -220,6 +224,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "hit_ttft_during_compile_at_most_4x": None if overlap is None else overlap <= TARGET_COMPILE_OVERLAP_RATIO,
         "rss_flat_over_soak": None if growth is None or not first else growth <= TARGET_RSS_GROWTH * first,
         "agent_computes_only_new_messages": agent_target(scenarios.get("agent", {})),
+        "history_rss_flat": history_target(scenarios.get("history", {})),
     }
 
 
@@ -259,7 +264,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent")  # reported on lines of their own, not in the main table
+# Reported on lines of their own, not in the main table.
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history")
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -345,6 +351,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
                      f"{_num(k['rss_growth_mb'])} MB (target: at most {TARGET_RSS_GROWTH:.0%})")
     if "agent" in s and not s["agent"].get("skipped"):
         lines += agent_lines(s["agent"])
+    if "history" in s and not s["history"].get("skipped"):
+        lines += history_lines(s["history"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

@@ -1,4 +1,4 @@
-"""The eight scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The nine scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
@@ -9,6 +9,7 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 6 compile-overlap  hits on a warm group alone, then while another group's first request compiles
 7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
 8 agent            tau-bench conversations replayed turn by turn, each turn the whole conversation so far
+9 history          a million tokens of synthetic conversations through the KV pool; the server's RSS every 10%
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.bench.client import BenchClient, ContextTooLong, Expected, Sample
+from gateway.bench.history import (
+    HistoryChats,
+    approx_prompt_tokens,
+    counters_grown,
+    expected_requests,
+    pool_reading,
+    pool_size,
+)
 from gateway.bench.options import SCENARIO_NAMES
 from gateway.bench.trajectories import Conversation, Trajectories, turn_body
 from gateway.bench.workload import ToolGroup, Workload, WorkloadError
@@ -49,12 +58,19 @@ class Plan:
     conversations: int = 1  # agent: tau-bench conversations replayed, in (task, trial) order
     agent_max_tokens: int = 16
     agent_turns: int = 0  # requests the agent scenario sends: its conversations' turns, once loaded
+    history_tokens: int = 1_000_000  # history: prompt tokens to send, over all conversations
+    history_window: int = 16  # conversations live at once
+    history_turns: int = 8  # turns per conversation (~3,500 prompt tokens at the last with 5 tools)
+    history_words: int = 300  # words per user message (~310 tokens)
+    history_tools: int = 5
+    history_max_tokens: int = 4
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
-                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4)
+                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
+                   history_tokens=100_000)
 
 
 class Restartable(Protocol):
@@ -322,6 +338,66 @@ async def _replay(ctx: Context, conversation: Conversation, tools: tuple[dict[st
         result.samples.append(sample)
 
 
+async def run_history(ctx: Context) -> ScenarioResult:
+    """Distinct synthetic conversations on one tool group (history.HistoryChats: `history_window`
+    live at once, each request a turn of one picked at random), until the prompt tokens sent reach
+    `history_tokens`. After every tenth of them the server's /metrics is read: RSS, conversation
+    records, KV blocks. The KV pool is allocated up front and every record lives in it, so once the
+    pool is warm RSS stays flat however much history goes through; records are evicted instead."""
+    name, plan = "history", ctx.plan
+    group = ctx.workload.group("history", plan.history_tools)
+    chats = HistoryChats(ctx.workload.run_id, window=plan.history_window, turns=plan.history_turns,
+                         words=plan.history_words)
+    result = ScenarioResult(name)
+    before = await ctx.client.metrics()
+    readings: list[dict[str, Any]] = []
+    sent = estimated = cut = 0
+    while sent < plan.history_tokens:
+        chat = chats.next_turn()
+        body = ctx.workload.chat_body(group, chat.messages, plan.history_max_tokens)
+        sample = Sample(name, group.label, group.num_tools, 0, "any", False, 0.0,
+                        tags={"conversation": chat.number, "turn": chat.turn})
+        try:
+            await ctx.send_body(sample, body)
+        except ContextTooLong as exc:
+            if chat.turn == 1:
+                return ScenarioResult(name, skipped=f"a conversation's first turn exceeds the model's context: {exc}")
+            chats.end(chat)
+            cut += 1
+            continue
+        result.samples.append(sample)
+        estimated += sample.prompt_tokens is None and sample.error is None  # a server that sends no usage
+        sent += approx_prompt_tokens(body) if sample.prompt_tokens is None else sample.prompt_tokens
+        while len(readings) < 10 and sent * 10 >= plan.history_tokens * (len(readings) + 1):
+            readings.append(await pool_reading(ctx.client, tokens=sent, requests=len(result.samples)))
+    result.details.update(_history_details(plan, result.samples, sent, readings))
+    result.details.update(counters_grown(before, await ctx.client.metrics()), pool=await pool_size(ctx.client))
+    result.notes += _history_notes(result.details, estimated, cut)
+    return result
+
+
+def _history_details(plan: Plan, samples: list[Sample], sent: int, readings: list[dict[str, Any]]) -> dict[str, Any]:
+    rss = [r["rss_mb"] for r in readings if r["rss_mb"] is not None]
+    return {"history_tokens": plan.history_tokens, "tokens_sent": sent,
+            "conversations": len({s.tags["conversation"] for s in samples}),
+            "window": plan.history_window, "turns": plan.history_turns, "words": plan.history_words,
+            "tools": plan.history_tools, "max_tokens": plan.history_max_tokens, "readings": readings,
+            "rss_first_mb": rss[0] if rss else None, "rss_last_mb": rss[-1] if rss else None,
+            "rss_growth_mb": round(rss[-1] - rss[0], 1) if len(rss) >= 2 else None,
+            "conversation_records": readings[-1]["conversation_records"] if readings else None}
+
+
+def _history_notes(details: dict[str, Any], estimated: int, cut: int) -> list[str]:
+    notes = []
+    if cut:
+        notes.append(f"{cut} conversations ended early: a turn exceeded the model's context (lower --history-turns)")
+    if estimated:
+        notes.append(f"{estimated} responses had no usage: their prompt tokens are estimated (~4 characters a token)")
+    if details["rss_first_mb"] is None:
+        notes.append("the server exports no process_resident_memory_bytes: RSS not measured")
+    return notes
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 2) if numerator and denominator else None
 
@@ -343,5 +419,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
     Scenario("soak", run_soak, lambda p: p.soak_requests),
     Scenario("agent", run_agent, lambda p: p.agent_turns),
+    Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
+                                                                 turns=p.history_turns, words=p.history_words)),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

@@ -99,10 +99,14 @@ class Workload:
     def body(self, group: ToolGroup, max_tokens: int | None = None, *, talk: bool = False) -> dict[str, Any]:
         """A streaming chat request on `group` with a question never sent before in this run; `talk`
         asks for a long answer (for output tokens/s)."""
+        return self.chat_body(group, [{"role": "user", "content": self.question(talk=talk)}], max_tokens)
+
+    def chat_body(self, group: ToolGroup, messages: list[dict[str, str]],
+                  max_tokens: int | None = None) -> dict[str, Any]:
+        """A streaming chat request: `group`'s system message and tools, then `messages`."""
         system = group.system
         body: dict[str, Any] = {
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": self.question(talk=talk)}],
+            "messages": [{"role": "system", "content": system}, *messages],
             "max_tokens": max_tokens or self.max_tokens, "temperature": 0, "seed": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }
