@@ -8,7 +8,7 @@ from typing import Any
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from gateway.engine import Engine
-from gateway.engine.chunks import turn_markers
+from gateway.engine.chunks import turn_opening
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
@@ -79,8 +79,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     max_batch=settings.max_batch)
     service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens)
-    # Prompt chunks are cut where the template's turns open (engine/chunks.py): set before any request.
-    engine.turn_markers = turn_markers(tokenizer, service.renderer.template)
+    # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py): set before any request.
+    engine.turn_opening = turn_opening(tokenizer, service.renderer.template)
     engine.conversation_reuse = settings.conversation_reuse == "on"
     engine.start()
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,

@@ -7,16 +7,19 @@ in two prompts if it was computed in the same chunk, over the same earlier KV. E
 therefore cut at the same places whether it is served cold, as a hit or from an earlier turn:
 
 - the tool group `[0, G)`: every `chunk_tokens` from 0, and G;
-- the rest: at every *turn marker* (the special token that opens a message, `<|im_start|>` in
-  ChatML, see `turn_markers`), and every `chunk_tokens` after the last marker (or after G);
+- the rest: where an assistant turn opens (the generation prompt's tokens, `<|im_start|>assistant`
+  in ChatML, see `turn_opening`), and every `chunk_tokens` after the last opening (or after G);
 - and the prompt's end.
 
 A later prompt may reuse an earlier one's KV up to a position that is a chunk end in both and
 within their common token prefix (`reuse_end`): the chunks before it were the same passes over the
-same tokens, so the KV is bit for bit what a cold prefill computes. Since every message starts at a
-marker, an agent's next turn reuses everything up to the start of the assistant's last message and
-computes only the messages that are new (the assistant's own answer is recomputed: its KV came from
-decode steps, one token a pass, whose bits differ from a prefill's).
+same tokens, so the KV is bit for bit what a cold prefill computes. A prompt ends with the opening
+of the turn to generate, and the next turn's prompt has the same tokens there followed by the
+answer, so an agent's next turn reuses everything up to the start of the assistant's last message
+and computes only the messages that are new, in as few chunks as their length allows (one
+assistant answer plus its tool results is one chunk up to `chunk_tokens`; each pass reads all the
+weights, so fewer passes is faster). The assistant's own answer is recomputed: its KV came from
+decode steps, one token a pass, whose bits differ from a prefill's.
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 
-def chunk_ends(ids: Sequence[int], group_len: int, chunk_tokens: int, markers: Collection[int]) -> list[int]:
+def chunk_ends(ids: Sequence[int], group_len: int, chunk_tokens: int, opening: Sequence[int]) -> list[int]:
     """The sorted positions where the prompt's chunks end (the last one is `len(ids)`)."""
     ends = list(range(chunk_tokens, group_len, chunk_tokens))
     if group_len:
         ends.append(group_len)
-    anchor = group_len
+    anchor, width = group_len, len(opening)
+    first = opening[0] if width else None
     for position in range(group_len + 1, len(ids)):
-        if ids[position] in markers:
+        if ids[position] == first and list(ids[position:position + width]) == list(opening):
             anchor = position
             ends.append(position)
         elif (position - anchor) % chunk_tokens == 0:
@@ -72,12 +76,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     return at
 
 
-def turn_markers(tokenizer: Any, template: str | None) -> frozenset[int]:
-    """The special token that opens every turn: the first token of the generation prompt (ChatML's
-    `<|im_start|>`, Llama 3's `<|start_header_id|>`); for a template without a generation prompt
-    (Mistral), the first special token of a rendered user turn that is not BOS (`[INST]`). Empty
-    when there is none: the rest of the prompt is then cut every `chunk_tokens` only (reuse then
-    stops at the last such cut before the first new token)."""
+def turn_opening(tokenizer: Any, template: str | None) -> tuple[int, ...]:
+    """The tokens that open an assistant turn: the generation prompt's, up to its last non-blank
+    token (ChatML's `<|im_start|>`, `assistant`; Llama 3's `<|start_header_id|>`, `assistant`,
+    `<|end_header_id|>`: the blank line after it tokenizes differently once an answer follows).
+    For a template without a generation prompt (Mistral), the first special token of a rendered
+    user turn that is not BOS (`[INST]`). Empty when there is none: the rest of the prompt is then
+    cut every `chunk_tokens` only (reuse then stops at the last such cut before the first new
+    token)."""
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     special.update(int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
     user = [{"role": "user", "content": "x"}]
@@ -87,13 +93,15 @@ def turn_markers(tokenizer: Any, template: str | None) -> frozenset[int]:
         prompted = str(tokenizer.apply_chat_template(user, chat_template=template, tokenize=False,
                                                      add_generation_prompt=True))
     except Exception:  # a template that cannot render one user message has no turns to find
-        return frozenset()
-    opening = prompted[len(bare):] if prompted.startswith(bare) else ""
-    if opening:  # the generation prompt opens a turn: its first token, if special
-        first = tokenizer(opening, add_special_tokens=False)["input_ids"][:1]
-        return frozenset(int(t) for t in first if t in special)
+        return ()
+    generation = prompted[len(bare):] if prompted.startswith(bare) else ""
+    if generation:
+        ids = [int(t) for t in tokenizer(generation, add_special_tokens=False)["input_ids"]]
+        while ids and not tokenizer.decode(ids[-1:]).strip():
+            ids.pop()
+        return tuple(ids) if ids and ids[0] in special else ()
     bos = getattr(tokenizer, "bos_token_id", None)
     for token in tokenizer(bare, add_special_tokens=False)["input_ids"]:
         if token in special and token != bos:
-            return frozenset({int(token)})
-    return frozenset()
+            return (int(token),)
+    return ()

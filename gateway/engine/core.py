@@ -73,7 +73,7 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
-                 max_batch: int = 8, turn_markers: frozenset[int] = frozenset()) -> None:
+                 max_batch: int = 8, turn_opening: tuple[int, ...] = ()) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -86,7 +86,7 @@ class Engine:
         self.runner = ModelRunner(model, device)
         self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
         self.scheduler = Scheduler(chunk_tokens)
-        self.turn_markers = turn_markers
+        self.turn_opening = turn_opening  # where prompt chunks are cut (chunks.py)
         self.conversation_reuse = True  # keep finished prompts' KV for the next turn, and use it
         self.conversations = Conversations(block_tokens)
         self.groups = GroupIndex(block_tokens, chunk_tokens, store.ram.holds)
@@ -197,7 +197,7 @@ class Engine:
         try:
             group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
             prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
-            ends = chunk_ends(prompt, start, self.scheduler.chunk_tokens, self.turn_markers)
+            ends = chunk_ends(prompt, start, self.scheduler.chunk_tokens, self.turn_opening)
             done = start
             while done < len(prompt):
                 end = next_end(ends, done)
@@ -310,7 +310,7 @@ class Engine:
             result = "hit" if entry is not None else "miss"
         elif recompute:
             result = "miss"
-        ends = chunk_ends(prompt, group_len, self.scheduler.chunk_tokens, self.turn_markers)
+        ends = chunk_ends(prompt, group_len, self.scheduler.chunk_tokens, self.turn_opening)
         chain: list[bytes] = []
         record, rest_from = None, group_len
         source: CacheEntry | None = None
@@ -395,7 +395,7 @@ class Engine:
             if group_run is not None:
                 group_run.release()
             raise _Hold
-        ends = chunk_ends(key.token_ids, len(key.token_ids), self.scheduler.chunk_tokens, self.turn_markers)
+        ends = chunk_ends(key.token_ids, len(key.token_ids), self.scheduler.chunk_tokens, self.turn_opening)
         seq = Sequence(job, len(key.token_ids), "miss", own_run, ends, Sampler(job.params),
                        TextStream(self.tokenizer, (), self.special_ids), key=key, group_run=group_run,
                        phase=Phase.GROUP, compile_started=time.perf_counter())

@@ -81,16 +81,18 @@ def test_a_turn_reuses_after_its_group_was_evicted_and_recompiled(runtime_for, a
     assert again.finished.token_ids == generate(runtime, body, bypass=True).finished.token_ids
 
 
-def test_an_edited_earlier_message_reuses_only_what_precedes_it(runtime_for, airline_tools):
+def test_an_edited_earlier_message_reuses_only_the_turns_before_it(runtime_for, airline_tools):
+    """Chunks are cut where assistant turns open: an edit reuses up to the opening before it."""
     runtime = runtime_for("llama", context=8192)
     messages = tau_turns()[1]
     generate(runtime, request(messages, airline_tools))
     edited = [dict(m) for m in messages]
+    assert [m["role"] for m in edited[1:4]] == ["user", "assistant", "user"]
     edited[3]["content"] = "Actually my user ID is noah_muller_9847."  # the second user message
     body = request(edited, airline_tools)
     run = generate(runtime, body)
-    head = prompt_len(runtime, request(messages[:3], airline_tools)) - GENERATION_PROMPT  # up to that message
-    assert run.prefilled.cached_tokens == head
+    opening = prompt_len(runtime, request(messages[:2], airline_tools)) - GENERATION_PROMPT  # the first answer's
+    assert run.prefilled.cached_tokens == opening
     assert run.finished.token_ids == generate(runtime, body, bypass=True).finished.token_ids
 
 

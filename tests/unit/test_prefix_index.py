@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gateway.engine.block_pool import BlockPool, PoolShape
-from gateway.engine.chunks import chunk_ends, reuse_end, turn_markers
+from gateway.engine.chunks import chunk_ends, reuse_end, turn_opening
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 
 M = 1  # the turn marker in these prompts
@@ -14,26 +14,32 @@ M = 1  # the turn marker in these prompts
 
 def test_the_group_is_cut_on_a_grid_and_the_rest_at_markers_then_on_a_grid_from_each():
     ids = [5] * 300 + [M] + [6] * 10 + [M] + [7] * 40
-    assert chunk_ends(ids, 300, 128, {M}) == [128, 256, 300, 311, 352]
-    assert chunk_ends(ids, 300, 32, {M}) == [32, 64, 96, 128, 160, 192, 224, 256, 288, 300, 311, 343, 352]
-    assert chunk_ends([M, 2, 3], 0, 128, set()) == [3]
+    assert chunk_ends(ids, 300, 128, (M,)) == [128, 256, 300, 311, 352]
+    assert chunk_ends(ids, 300, 32, (M,)) == [32, 64, 96, 128, 160, 192, 224, 256, 288, 300, 311, 343, 352]
+    assert chunk_ends([M, 2, 3], 0, 128, ()) == [3]
+
+
+def test_only_the_opening_of_an_assistant_turn_cuts_so_a_turn_is_one_chunk():
+    A, U = 2, 3  # `<marker> assistant`, `<marker> user`
+    ids = [5] * 10 + [M, U, 7, 7] + [M, A, 8, 8] + [M, U, 9] + [M, U, 9] + [M, A]
+    assert chunk_ends(ids, 10, 128, (M, A)) == [10, 14, 24, 26]
 
 
 def test_a_next_turn_reuses_up_to_the_marker_that_opened_the_last_generation_prompt():
     old = [9] * 20 + [M, 2, 3, 4] + [M, 8]  # ... user turn, then `<marker> assistant`
     new = old + [5, 5, 5] + [M, 6, 6] + [M, 8]  # the answer, a tool result, a new generation prompt
-    new_ends, old_ends = chunk_ends(new, 20, 128, {M}), set(chunk_ends(old, 20, 128, {M}))
+    new_ends, old_ends = chunk_ends(new, 20, 128, (M,)), set(chunk_ends(old, 20, 128, (M,)))
     assert reuse_end(new_ends, old_ends, len(old), len(old), len(new), 20) == 24
     edited = old[:22] + [7] + old[23:]  # a change inside the user turn: only the group is left
-    assert reuse_end(chunk_ends(edited, 20, 128, {M}), old_ends, 22, len(old), len(edited), 20) == 20
+    assert reuse_end(chunk_ends(edited, 20, 128, (M,)), old_ends, 22, len(old), len(edited), 20) == 20
     # the very same prompt again: its last chunk is computed (the logits come from it)
-    assert reuse_end(chunk_ends(old, 20, 128, {M}), old_ends, len(old), len(old), len(old), 20) == 24
+    assert reuse_end(chunk_ends(old, 20, 128, (M,)), old_ends, len(old), len(old), len(old), 20) == 24
 
 
 def _record(pool: BlockPool, tokens: list[int], root: bytes) -> Record:
     run = pool.allocate(len(tokens))
     assert run is not None
-    return Record(tuple(tokens), 0, frozenset(chunk_ends(tokens, 0, 128, {M})), run, chain_hashes(root, tokens, 4))
+    return Record(tuple(tokens), 0, frozenset(chunk_ends(tokens, 0, 128, (M,))), run, chain_hashes(root, tokens, 4))
 
 
 def test_the_index_never_trusts_a_hash_alone_and_tenants_chains_never_meet():
@@ -59,8 +65,9 @@ def test_a_record_covered_by_a_later_turn_goes_and_eviction_frees_its_blocks():
     assert conversations.evict_oldest() and pool.num_used == 0 and len(conversations) == 0
 
 
-def test_the_turn_marker_is_the_token_that_opens_the_generation_prompt(tokenizer_dir):
+def test_the_turn_opening_is_the_generation_prompt_without_its_trailing_blank(tokenizer_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    assert turn_markers(tokenizer, tokenizer.chat_template) == {tokenizer.convert_tokens_to_ids("<|im_start|>")}
+    opening = turn_opening(tokenizer, tokenizer.chat_template)
+    assert tokenizer.decode(opening) == "<|im_start|>assistant"  # the newline after it is left out
