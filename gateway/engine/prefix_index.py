@@ -13,7 +13,7 @@ Two kinds of holder (engine/core.py):
 - conversation records (`Record`): the KV of a finished request's prompt after its group, kept in
   the pool by the index alone and dropped least recently used first when the pool needs blocks.
 
-A hit's KV is copied into the new request's own blocks (one memory copy, ~20 ms for 2,000 tokens
+A hit's KV is copied into the new request's own blocks (one memory copy: 9 ms for 2,900 tokens
 of the default model), not read in place: decode attention sums over a sequence's KV segment by
 segment, so reading a third segment would change the bits of every later token. Each request keeps
 the same two segments (group, own) whatever it reuses.
