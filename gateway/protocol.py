@@ -219,6 +219,7 @@ def completion_dict(
     message: dict[str, Any],
     finish_reason: str,
     usage: dict[str, Any],
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     return {
         "id": completion_id,
@@ -227,7 +228,7 @@ def completion_dict(
         "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint,
     }
 
 
@@ -238,6 +239,7 @@ def chunk_dict(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage: dict[str, Any] | None = None,
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     choices = [] if delta is None else [
         {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -248,7 +250,7 @@ def chunk_dict(
         "created": created,
         "model": model,
         "choices": choices,
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint,
     }
     if usage is not None:
         chunk["usage"] = usage

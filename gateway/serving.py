@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import hashlib
 import logging
 import threading
 import time
@@ -81,6 +83,10 @@ class ChatService:
         self.marker_ids = _marker_ids(tokenizer, family.call_markers)
         self.max_token_chars = max_token_chars(tokenizer)
         self.model_name = model_name
+        # OpenAI's "backend configuration" fingerprint: the model, tokenizer, template, adapter and
+        # chunking (the cache identity); it changes exactly when the same request could answer
+        # differently.
+        self.system_fingerprint = "fp_" + hashlib.sha256(engine.identity.digest_bytes()).hexdigest()[:12]
         self.context_len = context_len
         self.metrics = metrics
         self.cache_enabled = cache_enabled
@@ -220,7 +226,7 @@ class ChatService:
         usage = _usage(outcome)
         self._record(prepared, outcome, "200", stream=False)
         return protocol.completion_dict(prepared.request_id, prepared.model_name, message,
-                                        finish_reason, usage)
+                                        finish_reason, usage, self.system_fingerprint)
 
     def _message(self, text: str, prepared: Prepared, finish: Finished) -> tuple[dict[str, Any], str]:
         if not prepared.tools_active:
@@ -253,16 +259,17 @@ class ChatService:
 
     async def _stream(self, prepared: Prepared, include_usage: bool,
                       outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
-        cid, created, model = prepared.request_id, int(time.time()), prepared.model_name
+        chunk = functools.partial(protocol.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
+                                  system_fingerprint=self.system_fingerprint)
         streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
         handoff = prepared.job.first_token_sent = threading.Event()
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
-        yield protocol.chunk_dict(cid, created, model, {"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""})
         for delta in calls.deltas(opening):
-            yield protocol.chunk_dict(cid, created, model, delta)
+            yield chunk(delta)
         async for event in _chain(first, events):
             self._observe(prepared, outcome, event)
             if isinstance(event, Failed):
@@ -271,18 +278,18 @@ class ChatService:
             if isinstance(event, TextDelta):
                 pieces = streamer.feed(event.text) if streamer else [ContentDelta(event.text)]
                 for delta in calls.deltas(pieces):
-                    yield protocol.chunk_dict(cid, created, model, delta)
+                    yield chunk(delta)
                 handoff.set()  # the consumer asked for more: the chunks above were sent
         if streamer is not None:
             for delta in calls.deltas(streamer.finish()):
-                yield protocol.chunk_dict(cid, created, model, delta)
+                yield chunk(delta)
             if streamer.parse_failed:
                 self.metrics.tool_parse_failures.inc()
         assert outcome.finish is not None
         reason = "tool_calls" if calls.count else outcome.finish.finish_reason
-        yield protocol.chunk_dict(cid, created, model, {}, finish_reason=reason)
+        yield chunk({}, finish_reason=reason)
         if include_usage:
-            yield protocol.chunk_dict(cid, created, model, None, usage=_usage(outcome))
+            yield chunk(None, usage=_usage(outcome))
         self._record(prepared, outcome, "200", stream=True)
 
     # ---- accounting ------------------------------------------------------------------------

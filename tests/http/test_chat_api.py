@@ -181,3 +181,17 @@ def test_one_structured_log_line_per_request_without_the_prompt(client, merchant
     assert line["prompt_tokens"] == resp.usage.prompt_tokens
     assert {"cached_tokens", "completion_tokens", "ttft_ms"} <= set(line)
     assert "secret question" not in json.dumps(line)
+
+
+def test_every_response_and_chunk_names_the_same_system_fingerprint(live, client, merchant_tools):
+    """OpenAI's spec: a string naming the backend configuration; stable while the model, tokenizer,
+    template and settings that shape output stay the same."""
+    whole = [client.chat.completions.create(model="tiny-llama", messages=ask(q), temperature=0, max_tokens=3)
+             for q in ("Hi", "Hello")]
+    fingerprint = whole[0].system_fingerprint
+    assert isinstance(fingerprint, str) and fingerprint.startswith("fp_") and len(fingerprint) > 6
+    assert whole[1].system_fingerprint == fingerprint
+    chunks = [json.loads(event) for event in sse_events(live, {"model": "tiny-llama", "messages": ask("Yo"),
+                                                               "max_tokens": 3, "stream": True})
+              if event != "[DONE]"]
+    assert chunks and all(chunk["system_fingerprint"] == fingerprint for chunk in chunks)
