@@ -86,7 +86,8 @@ class ChatService:
         # OpenAI's "backend configuration" fingerprint: the model, tokenizer, template, adapter and
         # chunking (the cache identity); it changes exactly when the same request could answer
         # differently.
-        self.system_fingerprint = "fp_" + hashlib.sha256(engine.identity.digest_bytes()).hexdigest()[:12]
+        identity = engine.identity.digest_bytes() if engine is not None else model_name.encode()  # None: render only
+        self.system_fingerprint = "fp_" + hashlib.sha256(identity).hexdigest()[:12]
         self.context_len = context_len
         self.metrics = metrics
         self.cache_enabled = cache_enabled
