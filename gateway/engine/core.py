@@ -316,8 +316,8 @@ class Engine:
         source: CacheEntry | None = None
         group_from = 0
         if job.use_cache and not recompute:
-            chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
-            if self.conversation_reuse:
+            if self.conversation_reuse:  # the chain also keys this request's own record when it ends
+                chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
                 record, rest_from = self.conversations.find_turn(prompt, group_len, ends, chain)
             if group_len and entry is None:
                 source, group_from = self.groups.longest(self._group_root(job.salt), prompt[:group_len])

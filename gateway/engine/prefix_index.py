@@ -160,9 +160,6 @@ class Conversations:
             self._drop(record)
         return count
 
-    def holds(self, record: Record) -> bool:
-        return id(record) in self._records
-
     def records(self) -> list[Record]:
         return list(self._records.values())
 
