@@ -48,6 +48,8 @@ class Settings(BaseModel):
     max_batch: int = Field(8, ge=1)  # sequences the engine runs at once (continuous batching)
     prefill_chunk_tokens: int = Field(128, ge=16)  # prompt tokens a step computes beside the decodes
     kv_block_tokens: int = Field(16, ge=1)  # tokens per block of the KV pool
+    # Responses API: responses kept per API key for `previous_response_id` (LRU); 0 keeps none
+    max_stored_responses: int = Field(1024, ge=0)
 
     # cache
     cache: Literal["on", "off"] = "on"

@@ -1,0 +1,178 @@
+"""`POST /v1/responses`: OpenAI's Responses API, whole and streamed, run as the chat request it
+amounts to (responses_protocol.py) through the chat service, so tool groups, conversation reuse,
+keys, quotas and the cache headers work exactly as for chat. `previous_response_id` continues a
+response kept in this tenant's ResponseStore (`store: false` keeps nothing)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from gateway.errors import APIError, BadRequest
+from gateway.generation_http import (
+    CLIENT_CLOSED_REQUEST,
+    GONE,
+    Arrival,
+    Release,
+    log_stream_bug,
+    parse_model,
+    prepare_chat,
+    serve_generation,
+    sse_response,
+    unless_disconnected,
+    validation_error,
+    whole_json,
+)
+from gateway.protocol import ChatCompletionRequest
+from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses_output import (
+    ResponseShape,
+    assistant_turn,
+    new_response_id,
+    output_of,
+    status_of,
+    usage_of,
+)
+from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.responses_stream import ResponseEvents
+from gateway.runtime import Runtime, loaded_runtime
+from gateway.serving import Prepared
+
+router = APIRouter()
+
+
+def install(app: FastAPI) -> None:
+    """The route, and the store `previous_response_id` reads (sized by `max_stored_responses`)."""
+    app.state.responses = ResponseStore(app.state.settings.max_stored_responses)
+    app.include_router(router)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A Responses request ready to run: its chat job, and what its response and store need."""
+
+    req: ResponsesRequest
+    prepared: Prepared
+    shape: ResponseShape
+    tenant: str
+    turn: list[dict[str, Any]]  # the chat messages this request's input adds to the conversation
+    parent: StoredResponse | None
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    async def respond(planned: Planned, release: Release) -> Response:
+        runtime = loaded_runtime(request.app.state)
+        store: ResponseStore = request.app.state.responses
+        if not planned.req.stream:
+            return await whole_json(request, runtime, planned.prepared, _whole(runtime, planned, store))
+        return await _streamed(request, runtime, planned, store, release)
+
+    return await serve_generation(request, new_response_id(), _plan, respond)
+
+
+def _plan(arrival: Arrival) -> Planned:
+    """Parse, continue the previous response, translate to chat and prepare (a prepare thread)."""
+    req = parse_model(arrival.body, ResponsesRequest)
+    parent = _previous(arrival, req.previous_response_id)
+    turn = input_messages(req.input)
+    conversation = (parent.conversation() if parent is not None else []) + turn
+    if not conversation:
+        raise BadRequest("'input' is required: send text or a list of input items", param="input")
+    with _in_responses_terms():
+        try:
+            chat_req = ChatCompletionRequest.model_validate(chat_body(req, conversation))
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        prepared = prepare_chat(arrival, chat_req)
+    shape = ResponseShape.of(arrival.request_id, req, arrival.runtime.model_name)
+    return Planned(req, prepared, shape, arrival.tenant.salt, turn, parent)
+
+
+def _previous(arrival: Arrival, response_id: str | None) -> StoredResponse | None:
+    if response_id is None:
+        return None
+    store: ResponseStore = arrival.state.responses
+    stored = store.get(arrival.tenant.salt, response_id)  # another tenant's id is not found either
+    if stored is None:
+        raise BadRequest(f"Previous response with id '{response_id[:100]}' not found.",
+                         param="previous_response_id", code="previous_response_not_found")
+    return stored
+
+
+@contextlib.contextmanager
+def _in_responses_terms() -> Iterator[None]:
+    """A chat-side error, naming the Responses field instead (`messages` is `input`)."""
+    try:
+        yield
+    except APIError as exc:
+        param = responses_param(exc.param)
+        if param == exc.param:
+            raise
+        message = exc.message.replace(f"'{exc.param}'", f"'{param}'")
+        raise type(exc)(message, param=param, code=exc.code, headers=exc.headers) from None
+
+
+async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
+    completion = await runtime.service.complete(planned.prepared)
+    choice = completion["choices"][0]
+    output = output_of(choice["message"], choice["finish_reason"])
+    body = planned.shape.body(status_of(choice["finish_reason"]), output,
+                              usage_of(completion["usage"], planned.prepared))
+    _keep(store, planned, output)
+    return body
+
+
+async def _streamed(request: Request, runtime: Runtime, planned: Planned, store: ResponseStore,
+                    release: Release) -> Response:
+    chunks = runtime.service.stream(planned.prepared, include_usage=True)
+    # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
+    # is still queued cancels it (the chat stream records its 499).
+    first = await unless_disconnected(request, anext(chunks))
+    if first is GONE:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    events = _events(first, chunks, planned, store, request.app.state.metrics)
+    return sse_response(request.app.state, planned.prepared, events, release)
+
+
+async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], planned: Planned,
+                  store: ResponseStore, metrics: Any) -> AsyncIterator[dict[str, str]]:
+    stream = ResponseEvents(planned.shape)
+    for event in stream.start() + stream.feed(first):
+        yield _sse(event)
+    try:
+        async for chunk in chunks:
+            for event in stream.feed(chunk):
+                yield _sse(event)
+    except APIError as exc:
+        for event in stream.fail(exc.message, exc.code):
+            yield _sse(event)
+        return
+    except Exception:  # a bug after the first byte: end the response as failed, count it
+        log_stream_bug(metrics, planned.prepared.request_id)
+        for event in stream.fail("internal server error", "server_error"):
+            yield _sse(event)
+        return
+    assert stream.chat_usage is not None  # the chat stream ends with usage when asked
+    events, body = stream.finish(usage_of(stream.chat_usage, planned.prepared))
+    _keep(store, planned, body["output"])  # kept before the client can see it is done
+    for event in events:
+        yield _sse(event)
+
+
+def _keep(store: ResponseStore, planned: Planned, output: list[dict[str, Any]]) -> None:
+    if planned.req.store is False:
+        return
+    messages = (*planned.turn, assistant_turn(output))
+    store.put(planned.tenant, StoredResponse(planned.shape.response_id, messages, planned.parent))
+
+
+def _sse(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], "data": orjson.dumps(event).decode()}

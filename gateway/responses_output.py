@@ -1,0 +1,124 @@
+"""The Responses API's response objects: output items (`message` with `output_text` parts,
+`function_call`), usage, and the response itself with the request's settings echoed, built
+from what the chat service returns (a completion, or its stream's chunks)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.responses_protocol import FunctionChoice, ResponsesRequest
+from gateway.serving import Prepared
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: ItemStatus) -> dict[str, Any]:
+    """An assistant message; `text` None while it is being written (no part yet)."""
+    content = [] if text is None else [text_part(text)]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: ItemStatus) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def status_of(finish_reason: str) -> Literal["completed", "incomplete"]:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_of(message: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
+    """A chat completion's message as output items: its text (if any, or if there is nothing
+    else), then one `function_call` item per call."""
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    items = [message_item(new_item_id("msg"), text, status_of(finish_reason))] if text or not calls else []
+    for call in calls:
+        function = call["function"]
+        items.append(function_call_item(new_item_id("fc"), call["id"], function["name"], function["arguments"],
+                                        "completed"))
+    return items
+
+
+def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output items as the chat message a follow-up request renders for this turn."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def usage_of(chat_usage: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
+    """Chat usage in the Responses shape. Cache writes: the tool group a miss computed and stored."""
+    pre = prepared.prefilled
+    written = prepared.job.prefix_len if pre is not None and pre.result == "miss" else 0
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": written},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """What a response object says before its output exists: its id and the request's settings."""
+
+    response_id: str
+    created_at: int
+    model: str
+    echo: dict[str, Any]
+
+    @classmethod
+    def of(cls, response_id: str, req: ResponsesRequest, model: str) -> ResponseShape:
+        return cls(response_id, int(time.time()), model, _echo(req))
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model, "output": output, "usage": usage, **self.echo,
+        }
+
+
+def _echo(req: ResponsesRequest) -> dict[str, Any]:
+    """The request's settings as OpenAI echoes them, defaults filled in."""
+    choice = req.tool_choice
+    tools = [tool.model_dump() for tool in req.tools or ()]
+    return {
+        "background": False, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": {"effort": None, "summary": None}, "safety_identifier": req.safety_identifier,
+        "service_tier": "default", "store": req.store is not False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": req.format.model_dump(by_alias=True, exclude_none=True), "verbosity": "medium"},
+        "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
+        "tools": tools, "top_logprobs": 0, "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled", "user": req.user,
+    }
