@@ -106,6 +106,32 @@ class RenderedPrompt:
     group: ToolGroup
 
 
+@dataclass(frozen=True, slots=True)
+class CallSyntax:
+    """How a family writes its calls, piece by piece, for the grammar that constrains them and the
+    streamer that reads them as they are generated:
+
+        section_open call (separator call)* section_close
+        call = call_open <name as a JSON string> name_to_args <arguments: a JSON object> call_close
+
+    `trigger` is the text that starts a call section in free text (`tool_choice: "auto"`); the
+    section starts with it. `leading_only`: calls are the whole output or absent (Llama 3)."""
+
+    trigger: str
+    section_open: str
+    call_open: str
+    name_to_args: str
+    call_close: str
+    separator: str
+    section_close: str = ""
+    leading_only: bool = False
+
+    @property
+    def head(self) -> str:
+        """The text before the first call's name: it starts with the trigger."""
+        return self.section_open + self.call_open
+
+
 def arguments_object(arguments: str) -> Any:
     """OpenAI sends arguments as JSON text; prompts want the object (or the text, if not JSON)."""
     try:
@@ -136,6 +162,10 @@ class ChatFamily(ABC):
     def call_opening(self, function_name: str | None) -> str:
         """The text that opens a call (of `function_name`, if given), to force one. Named, it is
         a prefix of `assistant_text` for a call of that function."""
+
+    @abstractmethod
+    def call_syntax(self) -> CallSyntax:
+        """The pieces `assistant_text` writes a call section with (see CallSyntax)."""
 
     def call_text(self, function_name: str, arguments: str = "{}") -> str:
         """One whole call, as the model writes it (`arguments` is JSON text)."""

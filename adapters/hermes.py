@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from adapters.base import ChatFamily, ChatMessage, ToolSpec, arguments_object
+from adapters.base import CallSyntax, ChatFamily, ChatMessage, ToolSpec, arguments_object
 
 _TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -49,3 +49,7 @@ class HermesFamily(ChatFamily):
             return "<tool_call>\n"
         return '<tool_call>\n{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
 
+
+    def call_syntax(self) -> CallSyntax:
+        return CallSyntax(trigger="<tool_call>", section_open="", call_open='<tool_call>\n{"name": ',
+                          name_to_args=', "arguments": ', call_close="}\n</tool_call>", separator="\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from adapters.base import ChatFamily, ChatMessage, ToolSpec, arguments_object
+from adapters.base import CallSyntax, ChatFamily, ChatMessage, ToolSpec, arguments_object
 
 _TOOLS_HEADER = (
     "You have access to the following functions. To call a function, please respond with JSON for "
@@ -47,3 +47,7 @@ class Llama3Family(ChatFamily):
         if function_name is None:
             return '{"name": "'
         return '{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "parameters": '
+
+    def call_syntax(self) -> CallSyntax:
+        return CallSyntax(trigger='{"name"', section_open="", call_open='{"name": ', name_to_args=', "parameters": ',
+                          call_close="}", separator="; ", leading_only=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from adapters.base import ChatFamily, ChatMessage, ToolSpec, arguments_object
+from adapters.base import CallSyntax, ChatFamily, ChatMessage, ToolSpec, arguments_object
 
 MISTRAL_TEMPLATE = (
     "{{- bos_token }}"
@@ -62,3 +62,7 @@ class MistralFamily(ChatFamily):
         if function_name is None:
             return '[TOOL_CALLS] [{"name": "'
         return '[TOOL_CALLS] [{"name": ' + json.dumps(function_name, ensure_ascii=False) + ', "arguments": '
+
+    def call_syntax(self) -> CallSyntax:
+        return CallSyntax(trigger="[TOOL_CALLS]", section_open="[TOOL_CALLS] [", call_open='{"name": ',
+                          name_to_args=', "arguments": ', call_close="}", separator=", ", section_close="]")

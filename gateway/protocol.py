@@ -92,6 +92,35 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (valid for it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a 'json_schema' response_format needs 'json_schema'")
+        return self
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must be valid for; None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_
+        return None
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -108,7 +137,6 @@ class UnsupportedField(ValueError):
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "logprobs": lambda v: v is False,
     "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
-    "response_format": lambda v: v == {"type": "text"},
     "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
     "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
     "logit_bias": lambda v: v == {},
@@ -140,6 +168,7 @@ class ChatCompletionRequest(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     n: int | None = None
     prompt_cache_key: str | None = None
     user: str | None = None

@@ -4,9 +4,12 @@ that turns tokens into text deltas while watching for stop sequences."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from gateway.constraints import Constraint
 
 GREEDY_BELOW = 1e-5
 
@@ -31,8 +34,12 @@ def all_finite(logits: torch.Tensor) -> bool:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    """One sequence's next-token choice: the logits are checked, masked to its grammar (if it has
+    one), then the token is picked (greedy, or temperature + top-p); the grammar follows it."""
+
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -44,6 +51,14 @@ class Sampler:
         (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
         if not all_finite(logits):
             raise NonFiniteLogits("the model produced non-finite logits")
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        token = self._choose(logits)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
         if self.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)

@@ -16,8 +16,10 @@ from typing import Any
 
 from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
-from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart, get_parser
+from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
+from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway import protocol
+from gateway.constraints import Constraint, GrammarError, Grammars, json_grammar, tool_grammar
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
@@ -92,6 +94,8 @@ class ChatService:
         self.metrics = metrics
         self.cache_enabled = cache_enabled
         self.default_max_tokens = default_max_tokens
+        self.grammars = Grammars(tokenizer, _vocab_size(engine, tokenizer), engine.eos_ids if engine else ())
+        self.call_specials = _special_markers(tokenizer, family.call_markers, engine)
 
     # ---- preparing -------------------------------------------------------------------------
 
@@ -116,18 +120,21 @@ class ChatService:
         salt = salt_for(group_id) if salt_for is not None else ""
         forced = self._forced_call(req, tools)
         ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, salt)
+        forced_ids: list[int] = []
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
-            ids += self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
+            forced_ids = self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
+            ids += forced_ids
         params = self._sampling(req, len(ids))
         single_call = req.parallel_tool_calls is False
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
+        constraint = None if forced.complete else self._constraint(req, rendered.group.tools, tools_active, forced_ids)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names,
-                  keep_token_ids=self.marker_ids if tools_active else frozenset())
+                  keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint)
         commit()  # accepted: only now may its tokenized head be remembered
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
@@ -162,6 +169,38 @@ class ChatService:
         if next(t for t in tools if t.name == name).takes_no_arguments:
             return ForcedCall(self.family.call_text(name), complete=True)
         return ForcedCall(self.family.call_opening(name))
+
+    def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
+                    forced_ids: list[int]) -> Constraint | None:
+        """The grammar this request's output must follow (gateway/constraints.py), having
+        consumed the forced opening; None when the output is free text."""
+        answer = req.response_format.schema if req.response_format is not None else None
+        if tools_active:
+            only = _forced_name(req, list(tools))
+            mode = "required" if req.tool_choice == "required" or only is not None else "auto"
+            grammar = tool_grammar(self.family.call_syntax(), tools, mode=mode, only=only,
+                                   parallel=req.parallel_tool_calls is not False,
+                                   answer_schema=answer, specials=self.call_specials)
+            param = "tools"
+        elif answer is not None:
+            grammar, param = json_grammar(answer), "response_format"
+        else:
+            return None
+        try:
+            return self.grammars.constraint(grammar, param, forced_ids)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param)) from None
+
+    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str) -> str:
+        """The first tool whose schema alone does not compile (`tools[i].function.parameters`)."""
+        if param != "tools":
+            return param
+        for index, tool in enumerate(tools):
+            try:
+                self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools")
+            except GrammarError:
+                return f"tools[{index}].function.parameters"
+        return param
 
     def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
         """A rendered prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the
@@ -230,18 +269,29 @@ class ChatService:
                                         finish_reason, usage, self.system_fingerprint)
 
     def _message(self, text: str, prepared: Prepared, finish: Finished) -> tuple[dict[str, Any], str]:
+        """The assistant message and finish reason. A tool turn is read by the same streamer the
+        streamed response uses (its output follows the family's call syntax: the grammar saw to
+        that), so both carry the same content and calls. A call cut off by `max_tokens` comes
+        back as OpenAI returns it: the call with the arguments written so far, finish `length`."""
         if not prepared.tools_active:
             return {"role": "assistant", "content": text, "refusal": None}, finish.finish_reason
-        parsed = get_parser(self.family.tool_parser).parse(prepared.forced_opening + text)
-        if parsed.parse_failed:
+        streamer = SyntaxStreamer(self.family.call_syntax())
+        pieces = streamer.feed(prepared.forced_opening + text) + streamer.finish()
+        if streamer.parse_failed:
             self.metrics.tool_parse_failures.inc()
-        calls = list(parsed.tool_calls)[: 1 if prepared.single_call else None]
-        if not calls:  # a failed parse is content: the raw output, forced opening included
-            return {"role": "assistant", "content": parsed.content or "", "refusal": None}, finish.finish_reason
-        wire = [{"id": protocol.new_tool_call_id(), "type": "function",
-                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        return {"role": "assistant", "content": parsed.content, "refusal": None,
-                "tool_calls": wire}, "tool_calls"
+        content = "".join(p.text for p in pieces if isinstance(p, ContentDelta)) or None
+        calls: dict[int, dict[str, Any]] = {}
+        for piece in pieces:
+            if isinstance(piece, ToolCallStart) and not (prepared.single_call and piece.index > 0):
+                calls[piece.index] = {"id": protocol.new_tool_call_id(), "type": "function",
+                                      "function": {"name": piece.name, "arguments": ""}}
+            elif isinstance(piece, ToolCallArgsDelta) and piece.index in calls:
+                calls[piece.index]["function"]["arguments"] += piece.fragment
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if not calls:
+            return message, finish.finish_reason
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return message, _call_finish(finish)
 
     async def stream(self, prepared: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage.
@@ -262,7 +312,7 @@ class ChatService:
                       outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
         chunk = functools.partial(protocol.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
                                   system_fingerprint=self.system_fingerprint)
-        streamer = get_parser(self.family.tool_parser).streamer() if prepared.tools_active else None
+        streamer = SyntaxStreamer(self.family.call_syntax()) if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
         handoff = prepared.job.first_token_sent = threading.Event()
@@ -287,7 +337,7 @@ class ChatService:
             if streamer.parse_failed:
                 self.metrics.tool_parse_failures.inc()
         assert outcome.finish is not None
-        reason = "tool_calls" if calls.count else outcome.finish.finish_reason
+        reason = _call_finish(outcome.finish) if calls.count else outcome.finish.finish_reason
         yield chunk({}, finish_reason=reason)
         if include_usage:
             yield chunk(None, usage=_usage(outcome))
@@ -412,6 +462,24 @@ def _marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:
     """Ids of the family's call markers that are single tokens in this vocabulary."""
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[m] for m in markers if m in vocab)
+
+
+def _call_finish(finish: Finished) -> str:
+    """A turn with calls ends `tool_calls`, unless `max_tokens` cut it (OpenAI's `length`)."""
+    return "length" if finish.finish_reason == "length" and finish.completion_tokens > 0 else "tool_calls"
+
+
+def _vocab_size(engine: Engine | None, tokenizer: Any) -> int:
+    """How many logits the model gives per position (at least the tokenizer's vocabulary)."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    return max(int(getattr(config, "vocab_size", 0) or 0), len(tokenizer))
+
+
+def _special_markers(tokenizer: Any, markers: tuple[str, ...], engine: Engine | None) -> dict[str, int]:
+    """The family's call markers that are special tokens here: a grammar names them by id."""
+    vocab = tokenizer.get_vocab()
+    special = engine.special_ids if engine is not None else frozenset()
+    return {m: vocab[m] for m in markers if m in vocab and vocab[m] in special}
 
 
 def _unset_emit(event: EngineEvent) -> None:

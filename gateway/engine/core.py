@@ -340,7 +340,7 @@ class Engine:
         finally:
             for run in held:
                 run.release()
-        seq = Sequence(job, group_len, result, own_run, ends, Sampler(job.params),
+        seq = Sequence(job, group_len, result, own_run, ends, Sampler(job.params, job.constraint),
                        TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids),
                        key=key, entry=entry, group_run=group_run, tier=tier, admitted_at=admitted,
                        lookup_s=lookup_s, chain=chain, source=record, rest_from=rest_from)
@@ -396,7 +396,7 @@ class Engine:
                 group_run.release()
             raise _Hold
         ends = chunk_ends(key.token_ids, len(key.token_ids), self.scheduler.chunk_tokens, self.turn_opening)
-        seq = Sequence(job, len(key.token_ids), "miss", own_run, ends, Sampler(job.params),
+        seq = Sequence(job, len(key.token_ids), "miss", own_run, ends, Sampler(job.params, job.constraint),
                        TextStream(self.tokenizer, (), self.special_ids), key=key, group_run=group_run,
                        phase=Phase.GROUP, compile_started=time.perf_counter())
         self._compiling[key.digest] = seq
@@ -454,7 +454,10 @@ class Engine:
                 self._fail(seq, exc)
             return
         for seq, row_logits in zip(seqs, logits, strict=True):
-            self._advance(seq, row_logits)
+            try:
+                self._advance(seq, row_logits)
+            except Exception as exc:  # non-finite logits, a grammar that refused a token: this one only
+                self._fail(seq, exc)
 
     def _prefill(self, seq: Sequence, start: int, end: int) -> None:
         try:

@@ -7,9 +7,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.constraints import Constraint
 
 CacheResult = Literal["hit", "miss", "bypass", "skip"]
 
@@ -60,6 +63,7 @@ class Job:
     group_id: str = ""
     tool_names: tuple[str, ...] = ()
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
+    constraint: Constraint | None = None  # the grammar its output follows (constraints.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # perf_counter at submit
     # Set by a streaming consumer once the first token is on the wire; the engine waits for it

@@ -90,17 +90,33 @@ def test_text_before_a_call_is_content(family_server):
 
 
 @pytest.mark.parametrize("setup", ["chatml", "llama3"])
-def test_an_unparseable_call_is_returned_as_content_and_counted(family_server, setup):
+def test_a_call_cut_off_by_max_tokens_is_the_call_so_far_with_finish_length(family_server, setup):
+    """As OpenAI answers: the call with the arguments written so far, finish `length`; streamed
+    the same; counted as a call that did not complete."""
+    live = family_server(setup, scripted=True)
+    written = model_writes(setup, CALLS[:1])
+    before = parse_failures(live)
+    request = {**body(written), "max_tokens": 22}  # inside the arguments in both families
+    choice = post(live, request)["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_order_details"
+    assert '{"order_id": "#W2378156"}'.startswith(call["function"]["arguments"])
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    content, calls, finish = assemble(stream(live, request))
+    assert (content, [c["function"] for c in calls], finish) == (None, [call["function"]], "length")
+    assert parse_failures(live) == before + 2
+
+
+@pytest.mark.parametrize("setup", ["chatml", "llama3"])
+def test_a_model_that_leaves_the_call_syntax_is_held_to_it(family_server, setup):
+    """The model tries to write invalid JSON inside a call; the grammar allows only valid JSON, so
+    what comes back never leaks call markup into content."""
     live = family_server(setup, scripted=True)
     broken = model_writes(setup, CALLS[:1]).replace('"#W2378156"', "#W2378156")  # invalid JSON
-    before = parse_failures(live)
-    resp = post(live, body(broken))
-    choice = resp["choices"][0]
-    assert choice["message"]["content"] == broken.strip() and "tool_calls" not in choice["message"]
-    assert choice["finish_reason"] == "stop"
-    content, calls, finish = assemble(stream(live, body(broken)))
-    assert (content, calls, finish) == (broken.strip(), [], "stop")
-    assert parse_failures(live) == before + 2
+    choice = post(live, {**body(broken), "max_tokens": 40})["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_order_details" and choice["message"]["content"] is None
+    assert call["function"]["arguments"].startswith('{"order_id": "')
 
 
 @pytest.mark.parametrize("setup", ["chatml", "llama3"])
