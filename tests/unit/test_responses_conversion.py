@@ -1,0 +1,153 @@
+"""The Responses API's pieces without a server: chat stream chunks into Responses events (every
+event valid for the SDK's type, numbered in order, items closed in output order; a failure ends
+with `error` and `response.failed`), input items into chat messages, and the per-key response
+store's LRU order."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from openai.types.responses import Response, ResponseStreamEvent
+
+from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses_output import ResponseShape
+from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.responses_stream import ResponseEvents
+
+EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
+               for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+USAGE = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+         "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+
+
+def start(index: int, call_id: str, name: str) -> dict[str, Any]:
+    return chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                  "function": {"name": name, "arguments": ""}}]})
+
+
+def fragment(index: int, text: str) -> dict[str, Any]:
+    return chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+
+
+def run(chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ResponseEvents]:
+    stream = ResponseEvents(ResponseShape.of("resp_1", ResponsesRequest(), "m"))
+    events = stream.start()
+    for c in chunks:
+        events += stream.feed(c)
+    return events, stream
+
+
+def check(events: list[dict[str, Any]]) -> None:
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        EVENT_TYPES[event["type"]].model_validate(event, strict=True)
+
+
+def test_text_then_two_calls_close_each_item_before_the_next_opens():
+    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({"content": "Let me "}),
+                          chunk({"content": "check."}), start(0, "call_a", "f"), fragment(0, '{"x": '),
+                          fragment(0, "1}"), start(1, "call_b", "g"), fragment(1, "{}"), chunk({}, "tool_calls")])
+    closing, body = stream.finish(USAGE)
+    events += closing
+    check(events)
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    final = Response.model_validate(body, strict=True)
+    assert final.status == "completed" and final.output_text == "Let me check."
+    assert [(o.type, getattr(o, "arguments", None)) for o in final.output] == [
+        ("message", None), ("function_call", '{"x": 1}'), ("function_call", "{}")]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [0, 1, 2]
+
+
+def test_a_length_finish_is_incomplete_and_so_is_its_message():
+    events, stream = run([chunk({"content": "Once upon"}), chunk({}, "length")])
+    closing, body = stream.finish(USAGE)
+    check(events + closing)
+    assert closing[-1]["type"] == "response.incomplete"
+    final = Response.model_validate(body, strict=True)
+    assert final.incomplete_details.reason == "max_output_tokens" and final.output[0].status == "incomplete"
+
+
+def test_a_failure_ends_with_an_error_event_and_response_failed():
+    events, stream = run([chunk({"content": "Hel"})])
+    events += stream.fail("the model produced non-finite logits", "generation_failed")
+    check(events)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    failed = Response.model_validate(events[-1]["response"], strict=True)
+    assert failed.status == "failed" and failed.error.code == "server_error"
+
+
+def test_input_items_become_chat_messages_with_calls_joining_their_turn():
+    req = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Order 7?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{\"id\": 2}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "shipped"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "lost"}]},
+    ], "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}, "strict": True}],
+        "tool_choice": {"type": "function", "name": "get"}, "max_output_tokens": 9,
+        "text": {"format": {"type": "json_object"}}})
+    body = chat_body(req, input_messages(req.input))
+    call = {"type": "function", "function": {"name": "get", "arguments": "{}"}, "id": "c1"}
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Order 7?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            call, {**call, "id": "c2", "function": {"name": "get", "arguments": "{\"id\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "shipped"},
+        {"role": "tool", "tool_call_id": "c2", "content": "lost"},
+    ]
+    assert body["tools"] == [{"type": "function",
+                              "function": {"name": "get", "parameters": {"type": "object"}, "strict": True}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get"}}
+    assert (body["max_completion_tokens"], body["response_format"]) == (9, {"type": "json_object"})
+
+
+def test_chat_side_errors_name_the_responses_field():
+    assert [responses_param(p) for p in ("messages", "messages[3].content", "max_tokens", "response_format",
+                                         "tools[2].function.parameters", "tool_choice", None)] == [
+        "input", "input", "max_output_tokens", "text.format", "tools[2].parameters", "tool_choice", None]
+
+
+def test_the_store_drops_the_least_recently_used_response_of_that_tenant_only():
+    store = ResponseStore(max_per_tenant=2)
+    for response_id in ("a", "b"):
+        store.put("t1", StoredResponse(response_id, ()))
+    store.put("t2", StoredResponse("x", ()))
+    assert store.get("t1", "a") is not None  # a is now the most recent
+    store.put("t1", StoredResponse("c", ()))
+    assert [store.get("t1", r) is not None for r in ("a", "b", "c")] == [True, False, True]
+    assert store.get("t2", "x") is not None and store.get("t2", "a") is None
+
+
+def test_a_stored_response_keeps_its_whole_conversation_after_its_parent_leaves_the_index():
+    store = ResponseStore(max_per_tenant=1)
+    first = StoredResponse("a", ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}))
+    store.put("t", first)
+    store.put("t", StoredResponse("b", ({"role": "user", "content": "3"},), parent=first))
+    assert store.get("t", "a") is None
+    stored = store.get("t", "b")
+    assert stored is not None and [m["content"] for m in stored.conversation()] == ["1", "2", "3"]
+
+
+def test_a_store_of_size_zero_keeps_nothing():
+    store = ResponseStore(max_per_tenant=0)
+    store.put("t", StoredResponse("a", ()))
+    assert store.get("t", "a") is None and len(store) == 0
