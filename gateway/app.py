@@ -15,12 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import cache_routes, completions_api, dashboard, protocol, responses_api
 from gateway.admission import Preparer, TenantQuota
 from gateway.auth import KeyRing
 from gateway.browser_guard import install_browser_guard
+from gateway.completions_api import CompletionRequest
 from gateway.errors import APIError
 from gateway.generation_http import (
     CLIENT_CLOSED_REQUEST,
@@ -40,6 +42,7 @@ from gateway.generation_http import (
 from gateway.limits import BodySizeLimit
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
+from gateway.responses_protocol import ResponsesRequest
 from gateway.runtime import Runtime, build_runtime, loaded_runtime
 from gateway.serving import Prepared
 from gateway.settings import Settings
@@ -87,7 +90,7 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     responses_api.install(app)
     app.include_router(completions_api.router)
     app.include_router(dashboard.router)
-    app.openapi = lambda: _openapi_with_chat_body(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
 
 
@@ -203,20 +206,27 @@ def protocol_error(message: str, error_type: str, code: str | None) -> dict[str,
 
 
 
-def _openapi_with_chat_body(app: FastAPI) -> dict[str, Any]:
-    """The chat route parses its own body (to word errors as OpenAI does), so its schema is added here."""
+def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
+    """The generation routes parse their own bodies (to word errors as OpenAI does), so their
+    schemas are added here."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components.update(body.pop("$defs", {}))
-    components["ChatCompletionRequest"] = body
-    schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
-    }
+    for path, model in _REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
     app.openapi_schema = schema
     return schema
+
+
+_REQUEST_BODIES: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletionRequest,
+                                               "/v1/responses": ResponsesRequest,
+                                               "/v1/completions": CompletionRequest}
