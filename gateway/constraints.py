@@ -249,6 +249,8 @@ class Constraint:
     def _apply(self, logits: torch.Tensor) -> torch.Tensor:
         import llguidance.torch as llt
 
+        assert self._bitmask is not None
+
         llt.apply_token_bitmask_inplace(logits[:, : self.vocab_size], self._bitmask)
         if logits.shape[1] > self.vocab_size:
             logits[:, self.vocab_size:] = float("-inf")

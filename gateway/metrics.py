@@ -105,6 +105,16 @@ class Metrics:
         self.conversation_evictions = Counter("toolkv_conversation_evictions_total",
                                               "Conversation records dropped to make room in the KV pool",
                                               registry=r)
+        self.constrained_tokens = Counter("toolkv_constrained_tokens_total",
+                                          "Tokens chosen under a grammar (tool calls, structured output)",
+                                          registry=r)
+        self.constraint_seconds = Counter("toolkv_constraint_seconds_total",
+                                          "Time the grammar took for those tokens (masks and following them)",
+                                          registry=r)
+        self.decode_steps = Counter("toolkv_decode_steps_total", "Batched decode forwards", registry=r)
+        self.decode_seconds = Counter("toolkv_decode_seconds_total",
+                                      "Time of the batched decode forwards (the model, one token per sequence)",
+                                      registry=r)
         self.engine = EngineView()
         self._engine_totals = TotalsTracker()
         self._engine_lock = threading.Lock()
@@ -127,7 +137,13 @@ class Metrics:
                 "preemptions": stats.preemptions_total, "queries": stats.prefix_queries_tokens_total,
                 "hits": stats.prefix_hits_tokens_total, "steps": stats.steps_total,
                 "turn_hits": stats.conversation_hits_tokens_total,
-                "turn_evictions": stats.conversation_evictions_total})
+                "turn_evictions": stats.conversation_evictions_total,
+                "constrained": stats.constrained_tokens_total, "constraint_s": stats.constraint_seconds_total,
+                "decode_steps": stats.decode_steps_total, "decode_s": stats.decode_seconds_total})
+            self.constrained_tokens.inc(grown["constrained"])
+            self.constraint_seconds.inc(grown["constraint_s"])
+            self.decode_steps.inc(grown["decode_steps"])
+            self.decode_seconds.inc(grown["decode_s"])
             self.conversation_hits.inc(grown["turn_hits"])
             self.conversation_evictions.inc(grown["turn_evictions"])
             self.preemptions.labels(**labels).inc(grown["preemptions"])
@@ -159,9 +175,9 @@ class TotalsTracker:
     restarted (a new engine): its whole value is new."""
 
     def __init__(self) -> None:
-        self._last: dict[str, int] = {}
+        self._last: dict[str, float] = {}
 
-    def advance(self, totals: dict[str, int]) -> dict[str, int]:
+    def advance(self, totals: dict[str, float]) -> dict[str, float]:
         grown = {}
         for name, total in totals.items():
             last = self._last.get(name, 0)

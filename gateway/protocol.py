@@ -112,7 +112,7 @@ class ResponseFormat(_Lenient):
         return self
 
     @property
-    def schema(self) -> dict[str, Any] | None:
+    def answer_schema(self) -> dict[str, Any] | None:
         """The JSON schema the answer must be valid for; None for plain text."""
         if self.type == "json_object":
             return {"type": "object"}

@@ -3,6 +3,7 @@ that turns tokens into text deltas while watching for stop sequences."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -40,6 +41,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
         self.constraint = constraint
+        self.constraint_s = 0.0  # the grammar's time (mask + follow) for the last token
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -51,11 +53,15 @@ class Sampler:
         (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
         if not all_finite(logits):
             raise NonFiniteLogits("the model produced non-finite logits")
-        if self.constraint is not None:
-            logits = self.constraint.mask(logits)
+        if self.constraint is None:
+            return self._choose(logits)
+        started = time.perf_counter()
+        logits = self.constraint.mask(logits)
+        masked = time.perf_counter()
         token = self._choose(logits)
-        if self.constraint is not None:
-            self.constraint.accept(token)
+        accepting = time.perf_counter()
+        self.constraint.accept(token)
+        self.constraint_s = (masked - started) + (time.perf_counter() - accepting)  # the grammar's own cost
         return token
 
     def _choose(self, logits: torch.Tensor) -> int:

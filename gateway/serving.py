@@ -19,7 +19,7 @@ from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
 from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway import protocol
-from gateway.constraints import Constraint, GrammarError, Grammars, json_grammar, tool_grammar
+from gateway.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
@@ -174,10 +174,10 @@ class ChatService:
                     forced_ids: list[int]) -> Constraint | None:
         """The grammar this request's output must follow (gateway/constraints.py), having
         consumed the forced opening; None when the output is free text."""
-        answer = req.response_format.schema if req.response_format is not None else None
+        answer = req.response_format.answer_schema if req.response_format is not None else None
         if tools_active:
             only = _forced_name(req, list(tools))
-            mode = "required" if req.tool_choice == "required" or only is not None else "auto"
+            mode: Mode = "required" if req.tool_choice == "required" or only is not None else "auto"
             grammar = tool_grammar(self.family.call_syntax(), tools, mode=mode, only=only,
                                    parallel=req.parallel_tool_calls is not False,
                                    answer_schema=answer, specials=self.call_specials)

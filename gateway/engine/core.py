@@ -102,6 +102,10 @@ class Engine:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.conversation_hit_tokens = 0
+        self.constrained_tokens = 0
+        self.constraint_s = 0.0
+        self.decode_steps = 0
+        self.decode_s = 0.0
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -169,7 +173,10 @@ class Engine:
                            cancelled_total=self.num_cancelled, conversation_records=len(self.conversations),
                            conversation_blocks=self.conversations.num_blocks,
                            conversation_hits_tokens_total=self.conversation_hit_tokens,
-                           conversation_evictions_total=self.conversations.evictions)
+                           conversation_evictions_total=self.conversations.evictions,
+                           constrained_tokens_total=self.constrained_tokens,
+                           constraint_seconds_total=self.constraint_s,
+                           decode_steps_total=self.decode_steps, decode_seconds_total=self.decode_s)
 
     def drain_steps(self) -> list[StepRecord]:
         return self._steps.drain()
@@ -447,8 +454,11 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         try:
+            started = time.perf_counter()
             logits = self.runner.decode([s.next_token for s in seqs],  # type: ignore[misc]
                                         [s.row(1) for s in seqs])
+            self.decode_s += time.perf_counter() - started
+            self.decode_steps += 1
         except Exception as exc:
             for seq in seqs:
                 self._fail(seq, exc)
@@ -527,6 +537,9 @@ class Engine:
         """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
         job = seq.job
         token = seq.sampler.next_token(logits)
+        if seq.sampler.constraint is not None:
+            self.constrained_tokens += 1
+            self.constraint_s += seq.sampler.constraint_s
         seq.generated += 1
         if token in self.eos_ids:
             self._finish(seq, "stop", seq.generated - 1)

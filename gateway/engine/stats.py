@@ -27,6 +27,10 @@ class EngineStats:
     conversation_blocks: int = 0  # pool blocks those hold (part of kv_blocks_cached)
     conversation_hits_tokens_total: int = 0  # prompt tokens served from an earlier turn's KV
     conversation_evictions_total: int = 0  # records dropped to make room in the pool
+    constrained_tokens_total: int = 0  # tokens chosen under a grammar (constraints.py)
+    constraint_seconds_total: float = 0.0  # the grammar's time for those: masks and following
+    decode_steps_total: int = 0  # batched decode forwards
+    decode_seconds_total: float = 0.0  # their time (the model's forward, one token per sequence)
 
     @property
     def kv_usage(self) -> float:

@@ -9,7 +9,6 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.families import get_family
 from tests.tools.models import SETUPS
 from tests.tools.wire import assemble, post, stream
 
