@@ -90,7 +90,8 @@ class ResponseEvents:
     def finish(self, usage: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The closing events and the final response body."""
         status = status_of(self.finish_reason)
-        events = self._close(status)
+        events = self._open_text() if not self.output and self.call is None else []  # an empty answer
+        events += self._close(status)
         body = self.shape.body(status, self.output, usage)
         events.append(self._event(f"response.{status}", response=body))
         return events, body
@@ -103,15 +104,19 @@ class ResponseEvents:
     # ---- items ---------------------------------------------------------------------------
 
     def _write_text(self, text: str) -> list[dict[str, Any]]:
-        events = self._close_call()
-        if self.text is None:
-            self.text = _TextItem(new_item_id("msg"))
-            events.append(self._event("response.output_item.added", output_index=len(self.output),
-                                      item=self.text.item("in_progress")))
-            events.append(self._part_event("response.content_part.added", text_part("")))
+        events = self._close_call() + self._open_text()
+        assert self.text is not None
         self.text.parts.append(text)
         events.append(self._text_event("response.output_text.delta", delta=text, logprobs=[]))
         return events
+
+    def _open_text(self) -> list[dict[str, Any]]:
+        if self.text is not None:
+            return []
+        self.text = _TextItem(new_item_id("msg"))
+        return [self._event("response.output_item.added", output_index=len(self.output),
+                            item=self.text.item("in_progress")),
+                self._part_event("response.content_part.added", text_part(""))]
 
     def _write_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

@@ -6,6 +6,7 @@ envelope naming the field."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -123,6 +124,20 @@ def test_a_prompt_of_token_ids_equals_its_text(client, tokenizer_dir):
 def test_a_seed_repeats_a_sampled_completion(client):
     args = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert client.completions.create(**args).choices[0].text == client.completions.create(**args).choices[0].text
+
+
+def test_a_client_that_hangs_up_cancels_its_generation(live):
+    engine = live.app.state.runtime.engine
+    cancelled = engine.num_cancelled
+    hangups = live.app.state.metrics.requests.labels(status="499", stream="false")
+    before = hangups._value.get()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.api_url + "/completions", json={"model": MODEL, "prompt": "Count", "max_tokens": 3000},
+                   timeout=1.5)
+    deadline = time.monotonic() + 30  # poll a state the server reaches on its own
+    while (hangups._value.get(), engine.num_cancelled) != (before + 1, cancelled + 1):
+        assert time.monotonic() < deadline, "the hang-up was not counted and cancelled"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("body, status, param, code", [

@@ -7,6 +7,7 @@ Tool calls come from the scripted model (it writes the call its prompt asks for)
 from __future__ import annotations
 
 import json
+import time
 import typing
 from typing import Any
 
@@ -161,6 +162,30 @@ def test_a_streamed_response_can_be_continued(live, client):
     second = client.responses.create(model=MODEL, input="Go on", previous_response_id=first["id"],
                                      max_output_tokens=4, temperature=0)
     assert second.usage.input_tokens > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+
+
+def requests_counted(live, status: str, stream: str) -> float:
+    return float(live.app.state.metrics.requests.labels(status=status, stream=stream)._value.get())
+
+
+def wait_for(predicate, deadline_s: float = 30.0) -> bool:
+    """Poll a state the server reaches on its own (like readiness polling)."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_streaming_client_that_hangs_up_stops_its_generation(live):
+    engine = live.app.state.runtime.engine
+    cancelled, hangups = engine.num_cancelled, requests_counted(live, "499", "true")
+    body = {"model": MODEL, "input": "Count forever", "max_output_tokens": 3000, "stream": True}
+    with httpx.stream("POST", live.api_url + "/responses", json=body, timeout=60) as resp:
+        next(line for line in resp.iter_lines() if line.startswith("data: "))
+    assert wait_for(lambda: requests_counted(live, "499", "true") == hangups + 1)
+    assert wait_for(lambda: engine.num_cancelled == cancelled + 1)
 
 
 def test_store_false_keeps_nothing_to_continue(live):

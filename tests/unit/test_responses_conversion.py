@@ -84,6 +84,14 @@ def test_a_length_finish_is_incomplete_and_so_is_its_message():
     assert final.incomplete_details.reason == "max_output_tokens" and final.output[0].status == "incomplete"
 
 
+def test_an_empty_answer_is_one_empty_message_as_in_a_whole_response():
+    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({}, "stop")])
+    closing, body = stream.finish(USAGE)
+    check(events + closing)
+    final = Response.model_validate(body, strict=True)
+    assert [(o.type, o.content[0].text) for o in final.output] == [("message", "")]
+
+
 def test_a_failure_ends_with_an_error_event_and_response_failed():
     events, stream = run([chunk({"content": "Hel"})])
     events += stream.fail("the model produced non-finite logits", "generation_failed")
