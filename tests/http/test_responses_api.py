@@ -341,3 +341,35 @@ def test_the_sdk_stream_helper_gives_the_final_response(scripted_client):
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[-1] == "response.completed" and final.output_text == "All done."
+
+
+def test_the_openai_agents_default_model_runs_a_tool_loop(scripted):
+    """openai-agents speaks the Responses API by default: it sends the whole run's items back each
+    turn (its output items as input), whole and streamed."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    looked_up: list[str] = []
+
+    @function_tool
+    def get_order_details(order_id: str) -> str:
+        """Get the details of an order."""
+        looked_up.append(order_id)
+        return "delivered " + script("Your order was delivered.")
+
+    async def run() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=scripted.api_url, api_key="unused", max_retries=0)
+        agent = Agent(name="retail", instructions=INSTRUCTIONS, tools=[get_order_details],
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=200))
+        question = script(hermes_calls(("get_order_details", ORDER_ARGS)))
+        whole = await Runner.run(agent, question)
+        streamed = Runner.run_streamed(agent, question)
+        async for _ in streamed.stream_events():
+            pass
+        return whole.final_output, streamed.final_output
+
+    assert asyncio.run(run()) == ("Your order was delivered.",) * 2
+    assert looked_up == [ORDER_ID] * 2
