@@ -276,8 +276,7 @@ def _text_of(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-               "response_format": "text.format", "parallel_tool_calls": "parallel_tool_calls"}
+CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
 
 
 def responses_param(chat_param: str | None) -> str | None:
