@@ -76,7 +76,8 @@ class Outcome:
 
 class ChatService:
     def __init__(self, engine: Engine, tokenizer: Any, family: ChatFamily, model_name: str,
-                 context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int) -> None:
+                 context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int,
+                 max_string_chars: int = 0) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.family = family
@@ -96,6 +97,7 @@ class ChatService:
         self.default_max_tokens = default_max_tokens
         self.grammars = Grammars(tokenizer, _vocab_size(engine, tokenizer), engine.eos_ids if engine else ())
         self.call_specials = _special_markers(tokenizer, family.call_markers, engine)
+        self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
 
     # ---- preparing -------------------------------------------------------------------------
 
@@ -180,10 +182,11 @@ class ChatService:
             mode: Mode = "required" if req.tool_choice == "required" or only is not None else "auto"
             grammar = tool_grammar(self.family.call_syntax(), tools, mode=mode, only=only,
                                    parallel=req.parallel_tool_calls is not False,
-                                   answer_schema=answer, specials=self.call_specials)
+                                   answer_schema=answer, specials=self.call_specials,
+                                   max_string=self.max_string_chars)
             param = "tools"
         elif answer is not None:
-            grammar, param = json_grammar(answer), "response_format"
+            grammar, param = json_grammar(answer, self.max_string_chars), "response_format"
         else:
             return None
         try:

@@ -44,6 +44,9 @@ class Settings(BaseModel):
 
     # generation
     default_max_tokens: int = Field(512, ge=1)
+    # Constrained output (tool calls, response_format): the most characters a string the schema
+    # leaves unbounded may hold (gateway/constraints.py); 0: no bound
+    max_string_chars: int = Field(256, ge=0)
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine, beyond the running batch
     max_batch: int = Field(8, ge=1)  # sequences the engine runs at once (continuous batching)
     prefill_chunk_tokens: int = Field(128, ge=16)  # prompt tokens a step computes beside the decodes
