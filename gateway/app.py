@@ -12,21 +12,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import cache_routes, completions_api, dashboard, protocol, responses_api
 from gateway.admission import Preparer, TenantQuota
 from gateway.auth import KeyRing
 from gateway.browser_guard import install_browser_guard
 from gateway.completions_api import CompletionRequest
-from gateway.errors import APIError
 from gateway.generation_http import (
     CLIENT_CLOSED_REQUEST,
-    GENERATION_PATHS,
     GONE,
     Arrival,
     Release,
@@ -36,9 +32,9 @@ from gateway.generation_http import (
     sse_data,
     sse_response,
     unless_disconnected,
-    validation_error,
     whole_json,
 )
+from gateway.http_edge import install_error_handlers
 from gateway.limits import BodySizeLimit
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
@@ -84,7 +80,7 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
                        read_timeout_s=settings.body_read_timeout_s, keyring=app.state.keyring)
     install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _install_routes(app)
     app.include_router(cache_routes.router)
     responses_api.install(app)
@@ -161,49 +157,6 @@ def _prepare(arrival: Arrival) -> tuple[ChatCompletionRequest, Prepared]:
     """Everything between the body and the engine job; runs on a prepare worker thread."""
     req = parse_model(arrival.body, ChatCompletionRequest)
     return req, prepare_chat(arrival, req)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if request.url.path in GENERATION_PATHS:
-            request.app.state.metrics.requests.labels(status=str(exc.status_code), stream="unknown").inc()
-        if exc.status_code >= 500:
-            log.warning("request failed: %s", exc.message, extra={"toolkv": {
-                "request_id": _request_id(request), "status": exc.status_code}})
-        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.envelope(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        body = protocol_error(str(exc.detail), "invalid_request_error", code)
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        """A bug: counted (`toolkv_requests_total{status="500"}` on generation routes), logged with the request
-        id and the traceback, answered with a generic envelope (no internals reach the client)."""
-        if request.url.path in GENERATION_PATHS:
-            request.app.state.metrics.requests.labels(status="500", stream="unknown").inc()
-        log.error("unhandled error", exc_info=exc, extra={"toolkv": {"request_id": _request_id(request),
-                                                                      "status": 500}})
-        return JSONResponse(protocol_error("internal server error", "server_error", None), status_code=500)
-
-
-def _request_id(request: Request) -> str | None:
-    return getattr(request.state, "request_id", None)
-
-
-def protocol_error(message: str, error_type: str, code: str | None) -> dict[str, Any]:
-    from gateway.errors import error_envelope
-
-    return error_envelope(message, error_type, None, code)
-
 
 
 def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:

@@ -5,13 +5,11 @@ stream ends), with the `X-Toolkv-Cache` and `Server-Timing` headers of the job."
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
@@ -20,24 +18,26 @@ from prometheus_client import Gauge
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
-from gateway.admission import disconnected
 from gateway.auth import KeyRing, Tenant
-from gateway.errors import APIError, BadRequest, ModelNotFound, error_envelope
-from gateway.limits import check_json_depth, check_request_limits
+from gateway.errors import APIError, ModelNotFound, error_envelope
+from gateway.http_edge import CLIENT_CLOSED_REQUEST as CLIENT_CLOSED_REQUEST
+from gateway.http_edge import GENERATION_PATHS as GENERATION_PATHS
+from gateway.http_edge import GONE as GONE
+from gateway.http_edge import parse_object as parse_object
+from gateway.http_edge import unless_disconnected as unless_disconnected
+from gateway.http_edge import validation_error as validation_error
+from gateway.limits import check_request_limits
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest, UnsupportedField
+from gateway.protocol import ChatCompletionRequest
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.serving import Prepared
 
 log = logging.getLogger(__name__)
 
 BYPASS_HEADER = "x-toolkv-cache"
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions"})
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 Release = Callable[[], None]
-GONE: Any = object()  # the client hung up
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,26 +148,6 @@ async def tracked(gauge: Gauge, events: AsyncIterator[dict[str, str]],
         release()
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or `GONE` (with `work` cancelled: its cleanup marks the engine job
-    cancelled, so the engine drops it from the queue or stops generating) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return cast(T, GONE)
-
-
 def no_release() -> None:
     return None
 
@@ -181,38 +161,3 @@ def parse_model(body: bytes, model: type[M]) -> M:
         return model.model_validate(parse_object(body))
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-
-
-def parse_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_json_depth(data)
-    return data
-
-
-def validation_error(errors: list[Any]) -> BadRequest:
-    first = errors[0]
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, UnsupportedField):
-        return BadRequest(str(cause), param=cause.field, code="unsupported_parameter")
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = param_path(loc)
-    return BadRequest(f"invalid value for '{param or 'body'}': {first.get('msg')}", param=param or None)
-
-
-def param_path(loc: list[str]) -> str:
-    """The field path of a pydantic error location, without the union-member tags pydantic adds
-    (`str`, `list[TextPart]`, `NamedToolChoice`, `function-after[...]`, `literal[...]`)."""
-    out = ""
-    for part in loc:
-        if part.isdigit():
-            out += f"[{part}]"
-        elif part in ("str", "int", "float", "bool") or part[:1].isupper() or "[" in part:
-            continue
-        else:
-            out += ("." if out else "") + part
-    return out

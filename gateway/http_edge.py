@@ -1,0 +1,125 @@
+"""The HTTP pieces every toolkv app shares, the model's and the proxy's: the exception handlers
+that render the OpenAI error envelope, reading a JSON body, and noticing a client that hangs up.
+Nothing here imports the engine (proxy mode runs without torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar, cast
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import disconnected
+from gateway.errors import APIError, BadRequest, error_envelope
+from gateway.limits import check_json_depth
+from gateway.protocol import UnsupportedField
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions"})
+GONE: Any = object()  # the client hung up
+T = TypeVar("T")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error as the envelope; on generation routes each is counted in
+    `app.state.metrics.requests` (labels `status`, `stream`)."""
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path in GENERATION_PATHS:
+            request.app.state.metrics.requests.labels(status=str(exc.status_code), stream="unknown").inc()
+        if exc.status_code >= 500:
+            log.warning("request failed: %s", exc.message, extra={"toolkv": {
+                "request_id": _request_id(request), "status": exc.status_code}})
+        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.envelope(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        body = error_envelope(str(exc.detail), "invalid_request_error", None, code)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: counted (`toolkv_requests_total{status="500"}` on generation routes), logged with the request
+        id and the traceback, answered with a generic envelope (no internals reach the client)."""
+        if request.url.path in GENERATION_PATHS:
+            request.app.state.metrics.requests.labels(status="500", stream="unknown").inc()
+        log.error("unhandled error", exc_info=exc, extra={"toolkv": {"request_id": _request_id(request),
+                                                                      "status": 500}})
+        return JSONResponse(error_envelope("internal server error", "server_error"), status_code=500)
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `GONE` (with `work` cancelled: its cleanup marks the engine job
+    cancelled, so the engine drops it from the queue or stops generating) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return cast(T, GONE)
+
+
+# ---- request bodies ----------------------------------------------------------------------
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    check_json_depth(data)
+    return data
+
+
+def validation_error(errors: list[Any]) -> BadRequest:
+    first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedField):
+        return BadRequest(str(cause), param=cause.field, code="unsupported_parameter")
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = param_path(loc)
+    return BadRequest(f"invalid value for '{param or 'body'}': {first.get('msg')}", param=param or None)
+
+
+def param_path(loc: list[str]) -> str:
+    """The field path of a pydantic error location, without the union-member tags pydantic adds
+    (`str`, `list[TextPart]`, `NamedToolChoice`, `function-after[...]`, `literal[...]`)."""
+    out = ""
+    for part in loc:
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part in ("str", "int", "float", "bool") or part[:1].isupper() or "[" in part:
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out
