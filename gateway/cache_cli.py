@@ -23,12 +23,12 @@ from pydantic import ValidationError
 from adapters.render import RenderError
 from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.errors import APIError
-from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from gateway.cache_admin import Warmed, WarmRequest
+    from gateway.kvcache.disk_tier import DiskRecord, DiskTier
     from gateway.runtime import Runtime
 
 _ENTRY_ID = re.compile(r"[0-9a-f]{64}")
@@ -201,6 +201,8 @@ def _cache_dir_errors(settings: Settings) -> Iterator[None]:
 
 
 def _disk(settings: Settings) -> DiskTier:
+    from gateway.kvcache.disk_tier import DiskTier  # imports torch: not for `toolkv serve --upstream`
+
     return DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes)
 
 

@@ -1,4 +1,5 @@
-"""`toolkv` command line: `toolkv serve [--host] [--port] [--model] [--config FILE] [--cache-dir DIR]`."""
+"""`toolkv` command line: `toolkv serve [--host] [--port] [--model] [--config FILE] [--cache-dir DIR]
+[--upstream URL[,URL...]]`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="'smollm2' (embedded), a local HF model dir, a .gguf path or a hub id")
     serve.add_argument("--config", help="a TOML settings file (default: config/toolkv.toml if present)")
     serve.add_argument("--cache-dir")
+    serve.add_argument("--upstream", metavar="URL[,URL...]",
+                       help="proxy mode: no local model; forward to these OpenAI-compatible servers")
     serve.set_defaults(func=_serve)
     cache_cli.register(sub)
     bench.register(sub)
@@ -44,6 +47,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model,
                                  "cache_dir": args.cache_dir}
+    if getattr(args, "upstream", None):
+        overrides["upstreams"] = tuple(url.strip() for url in args.upstream.split(",") if url.strip())
     return load_settings(config, overrides)
 
 
@@ -52,18 +57,30 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except SettingsError as exc:
         raise CliError(str(exc)) from None
-    _check_model_source(settings)
+    if not settings.upstreams:
+        _check_model_source(settings)
     configure_logging(settings)
     import uvicorn
 
-    from gateway.app import create_app
     from gateway.http_server import server_config
 
     log = logging.getLogger("gateway")
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: anyone who can reach it can use the model", settings.host)
-    uvicorn.Server(server_config(create_app(settings), settings)).run()
+    uvicorn.Server(server_config(_app(settings), settings)).run()
     return 0
+
+
+def _app(settings: Settings) -> Any:
+    """Proxy mode when upstreams are set (no model is loaded, torch is never imported), else the model app."""
+    if settings.upstreams:
+        from gateway.proxy.app import create_proxy_app
+
+        logging.getLogger("gateway").info("proxy mode: forwarding to %s", ", ".join(settings.upstreams))
+        return create_proxy_app(settings)
+    from gateway.app import create_app
+
+    return create_app(settings)
 
 
 def _check_model_source(settings: Settings) -> None:

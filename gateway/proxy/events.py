@@ -1,0 +1,85 @@
+"""Reading an upstream's answer without changing it: server-sent events cut into whole events as
+the bytes arrive (each forwarded as it was received), and the usage an answer or a stream's
+final event reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.proxy.metrics import Usage
+from gateway.proxy.shaping import Kind
+
+MAX_EVENT_BYTES = 8 * 1024**2  # an upstream that sends more without ending an event is broken
+_ENDINGS = (b"\n\n", b"\r\n\r\n")
+_USAGE_MARK = b'"usage"'
+
+
+class StreamBroken(Exception):
+    """The upstream's stream is not server-sent events."""
+
+
+class EventSplitter:
+    """Cuts an SSE byte stream into events, each with its blank line, byte for byte as received."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        events: list[bytes] = []
+        while (end := self._event_end()) is not None:
+            events.append(self._buffer[:end])
+            self._buffer = self._buffer[end:]
+        if len(self._buffer) > MAX_EVENT_BYTES:
+            raise StreamBroken(f"the upstream sent {len(self._buffer)} bytes without ending an event")
+        return events
+
+    def rest(self) -> bytes:
+        """What came after the last whole event (sent on as it is when the stream ends)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event_end(self) -> int | None:
+        ends = [at + len(ending) for ending in _ENDINGS if (at := self._buffer.find(ending)) >= 0]
+        return min(ends) if ends else None
+
+
+def event_data(event: bytes) -> bytes:
+    """The event's `data:` lines, joined as SSE joins them."""
+    lines = event.replace(b"\r\n", b"\n").split(b"\n")
+    data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
+    return b"\n".join(data)
+
+
+def event_usage(kind: Kind, event: bytes) -> tuple[Usage | None, bool]:
+    """The usage an event reports, and whether the event carries nothing else (OpenAI's final
+    `include_usage` chunk, whose `choices` is empty)."""
+    if _USAGE_MARK not in event:
+        return None, False
+    try:
+        chunk = orjson.loads(event_data(event))
+    except orjson.JSONDecodeError:
+        return None, False
+    if not isinstance(chunk, dict):
+        return None, False
+    usage = body_usage(kind, chunk)
+    return usage, usage is not None and kind != "responses" and chunk.get("choices") == []
+
+
+def body_usage(kind: Kind, body: dict[str, Any]) -> Usage | None:
+    """The usage of a whole answer, a chat/completions chunk, or a Responses event."""
+    if kind == "responses":
+        response = body.get("response") if "response" in body else body
+        usage = response.get("usage") if isinstance(response, dict) else None
+        return _usage(usage, "input_tokens", "input_tokens_details")
+    return _usage(body.get("usage"), "prompt_tokens", "prompt_tokens_details")
+
+
+def _usage(usage: Any, prompt_key: str, details_key: str) -> Usage | None:
+    if not isinstance(usage, dict) or not isinstance(usage.get(prompt_key), int):
+        return None
+    details = usage.get(details_key)
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt_tokens=usage[prompt_key], cached_tokens=cached if isinstance(cached, int) else None)

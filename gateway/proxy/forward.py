@@ -1,0 +1,222 @@
+"""Forwarding one request with httpx: try the route's upstreams in order until one answers (no
+connection, a 5xx, or a stream that ends or breaks before its first event moves on to the next),
+then hand the answer back whole, or relay its stream event by event as the bytes arrive, byte
+for byte (less the usage chunk a client did not ask for). Once the client has a stream's first
+event, a failure ends that stream with an error event."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import orjson
+
+from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
+from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.metrics import Usage
+from gateway.proxy.routing import Route
+from gateway.proxy.shaping import Forward, Kind
+from gateway.proxy.upstreams import Release, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+# Not passed on from an upstream's answer: hop-by-hop, and what the proxy's own server sets.
+DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                             "trailer", "upgrade", "content-length", "content-encoding", "date", "server"})
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no buffering on the way
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An upstream's whole answer (a 4xx too), passed to the client as it is."""
+
+    upstream: str
+    status: int
+    headers: dict[str, str]
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A stream whose first events have arrived: from here on it is the client's."""
+
+    upstream: str
+    headers: dict[str, str]
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    splitter: EventSplitter
+    first: list[bytes]
+    release: Release
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    upstream: str
+    answered: bool  # it sent an HTTP answer (a 5xx, a stream that broke) rather than none
+    reason: str
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient, pool: UpstreamPool) -> None:
+        self.client = client
+        self.pool = pool
+        self.metrics = pool.metrics
+
+    async def open(self, fwd: Forward, route: Route, headers: Mapping[str, str], exchange: Exchange) -> Answer | Opened:
+        """The first upstream's answer, trying the next after each failure; 503 when none
+        answered, 502 when they answered with errors."""
+        failures: list[Failure] = []
+        for attempt, url in enumerate(route.order):
+            reason = "retry" if attempt else ("spill" if route.spilled else "home")
+            self.metrics.routed.labels(upstream=url, route=reason).inc()
+            exchange.upstream, exchange.attempts = url, attempt + 1
+            result = await (self._open_stream(url, fwd, headers) if fwd.stream else self._post(url, fwd, headers))
+            if not isinstance(result, Failure):
+                self.pool.mark_up(url)
+                return result
+            self.pool.mark_down(url)
+            log.warning("upstream %s failed: %s", url, result.reason,
+                        extra={"toolkv": {"request_id": exchange.request_id}})
+            failures.append(result)
+        raise no_upstream(failures)
+
+    async def _post(self, url: str, fwd: Forward, headers: Mapping[str, str]) -> Answer | Failure:
+        release = self.pool.acquire(url)
+        try:
+            resp = await self.client.post(url + fwd.path, content=fwd.body, headers=dict(headers))
+        except httpx.HTTPError as exc:
+            return self._failed(url, exc, answered=False)
+        finally:
+            release()
+        return self._answer(url, resp, resp.content)
+
+    async def _open_stream(self, url: str, fwd: Forward, headers: Mapping[str, str]) -> Answer | Opened | Failure:
+        release = self.pool.acquire(url)
+        resp: httpx.Response | None = None
+        opened: Opened | None = None
+        try:
+            request = self.client.build_request("POST", url + fwd.path, content=fwd.body, headers=dict(headers))
+            resp = await self.client.send(request, stream=True)
+            if resp.status_code == 200 and is_event_stream(resp.headers):
+                opened = await self._first_events(url, resp, release)
+                if opened is None:
+                    return self._failed(url, StreamBroken("the stream ended before its first event"), True)
+                return opened
+            return self._answer(url, resp, await resp.aread())
+        except (httpx.HTTPError, StreamBroken) as exc:
+            return self._failed(url, exc, answered=resp is not None)
+        finally:
+            if opened is None:  # a stream handed on is closed by its relay
+                await close_quietly(resp)
+                release()
+
+    async def _first_events(self, url: str, resp: httpx.Response, release: Release) -> Opened | None:
+        chunks = resp.aiter_bytes()
+        splitter = EventSplitter()
+        async for data in chunks:
+            if first := splitter.feed(data):
+                return Opened(url, passed_headers(resp.headers, STREAM_HEADERS), resp, chunks, splitter, first,
+                              release)
+        return None
+
+    def _answer(self, url: str, resp: httpx.Response, content: bytes) -> Answer | Failure:
+        self.metrics.upstream_requests.labels(upstream=url, status=str(resp.status_code)).inc()
+        if resp.status_code >= 500:
+            return Failure(url, answered=True, reason=f"status {resp.status_code}")
+        return Answer(url, resp.status_code, passed_headers(resp.headers), content)
+
+    def _failed(self, url: str, exc: Exception, answered: bool) -> Failure:
+        self.metrics.upstream_requests.labels(upstream=url, status="error").inc()
+        return Failure(url, answered, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+    async def relay(self, opened: Opened, fwd: Forward, exchange: Exchange,
+                    release_quota: Release) -> AsyncGenerator[bytes, None]:
+        """The stream's events as they arrive; the exchange is finished when it ends (499 when
+        the client went away first)."""
+        status = 499
+        exchange.first_event_at = time.perf_counter()
+        try:
+            if head := self._kept(opened.first, fwd, exchange):
+                yield head
+            async for data in opened.chunks:
+                if kept := self._kept(opened.splitter.feed(data), fwd, exchange):
+                    yield kept
+            if rest := opened.splitter.rest():
+                yield rest
+            status = 200
+        except (httpx.HTTPError, StreamBroken) as exc:
+            status = 502
+            log.warning("upstream %s broke off a stream: %s", opened.upstream, exc,
+                        extra={"toolkv": {"request_id": exchange.request_id}})
+            yield stream_error(fwd.kind)
+        finally:
+            answer = "broken" if status == 502 else "200"  # a client that left is no fault of the upstream's
+            self.metrics.upstream_requests.labels(upstream=opened.upstream, status=answer).inc()
+            await close_quietly(opened.response)
+            opened.release()
+            release_quota()
+            exchange.finish(status)
+
+    def _kept(self, events: list[bytes], fwd: Forward, exchange: Exchange) -> bytes:
+        """`events` less a usage-only chunk the client did not ask for; notes the usage."""
+        kept = []
+        for event in events:
+            usage, usage_only = event_usage(fwd.kind, event)
+            if usage is not None:
+                exchange.usage = usage
+            if not (usage_only and not fwd.client_usage):
+                kept.append(event)
+        return b"".join(kept)
+
+
+def answer_usage(kind: Kind, answer: Answer) -> Usage | None:
+    """Parsed usage of a whole 200 answer (None when it has none or is not JSON)."""
+    try:
+        body = orjson.loads(answer.content)
+    except orjson.JSONDecodeError:
+        return None
+    return body_usage(kind, body) if isinstance(body, dict) else None
+
+
+def no_upstream(failures: list[Failure]) -> BadGateway | UpstreamUnavailable:
+    """The client's error: which upstreams failed how, without their addresses."""
+    reasons = "; ".join(f"upstream {n + 1}: {f.reason}" for n, f in enumerate(failures))
+    if any(f.answered for f in failures):
+        return BadGateway(f"no upstream could serve the request ({reasons})")
+    return UpstreamUnavailable(f"no upstream is reachable ({reasons})", headers={"Retry-After": "1"})
+
+
+def stream_error(kind: Kind) -> bytes:
+    """The event that ends a stream the upstream broke off (then `[DONE]` for chat/completions)."""
+    message, code = "the upstream broke off the stream", "upstream_error"
+    if kind == "responses":
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"data: " + orjson.dumps(error_envelope(message, "server_error", None, code)) + b"\n\ndata: [DONE]\n\n"
+
+
+def is_event_stream(headers: httpx.Headers) -> bool:
+    media_type: str = headers.get("content-type", "")
+    return media_type.split(";")[0].strip().lower() == "text/event-stream"
+
+
+def passed_headers(headers: httpx.Headers, defaults: Mapping[str, str] | None = None) -> dict[str, str]:
+    passed = {**(defaults or {})}
+    passed.update((name, value) for name, value in headers.items() if name.lower() not in DROPPED_HEADERS)
+    return passed
+
+
+async def close_quietly(resp: httpx.Response | None) -> None:
+    """Close an upstream answer, even while the request is being cancelled (the client left)."""
+    if resp is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await resp.aclose()
+        except httpx.HTTPError:
+            pass

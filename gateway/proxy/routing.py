@@ -1,0 +1,62 @@
+"""Tool-group affinity across upstreams: which upstream a request goes to, and where it goes next
+when that one fails. Pure: no I/O, no clock; the caller passes the load and the upstreams it
+currently believes down.
+
+Each key (tenant salt + tool-group id) ranks the upstreams by rendezvous hashing (highest random
+weight): the weight of (key, upstream) is a hash of both, and the key's home is the upstream with
+the highest weight. Adding an upstream moves only the keys whose new weight beats their old home
+(1/N of them); removing one moves only its own keys, each to its second choice. A home with
+`max_in_flight` requests or more shares with the key's second choice: the request goes to the
+less loaded of the two (the home on a tie), so a hot group spreads over two upstreams, both of
+which then hold its prefix, instead of over all of them."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The upstreams to try, in order: `order[0]` first, the next after a failure."""
+
+    order: tuple[str, ...]
+    spilled: bool  # the first choice is the second-ranked upstream: the home was over its bound
+
+
+class AffinityRouter:
+    def __init__(self, upstreams: Sequence[str], max_in_flight: int) -> None:
+        if not upstreams:
+            raise ValueError("an affinity router needs at least one upstream")
+        self.upstreams = tuple(upstreams)
+        self.max_in_flight = max_in_flight
+
+    def ranking(self, key: str) -> tuple[str, ...]:
+        """Every upstream, highest weight for `key` first."""
+        return tuple(sorted(self.upstreams, key=lambda upstream: -weight(key, upstream)))
+
+    def route(self, key: str, in_flight: Mapping[str, int], down: Collection[str] = ()) -> Route:
+        """Where `key`'s request goes. Upstreams believed down keep their rank but go after
+        every other (they are still tried when all else fails)."""
+        ranked = self.ranking(key)
+        order = [u for u in ranked if u not in down] + [u for u in ranked if u in down]
+        spilled = len(order) > 1 and order[1] not in down and self._spills(order[0], order[1], in_flight)
+        if spilled:
+            order[0], order[1] = order[1], order[0]
+        return Route(tuple(order), spilled)
+
+    def _spills(self, home: str, second: str, in_flight: Mapping[str, int]) -> bool:
+        home_load = in_flight.get(home, 0)
+        return home_load >= self.max_in_flight and in_flight.get(second, 0) < home_load
+
+
+def weight(key: str, upstream: str) -> int:
+    """The rendezvous weight of (`key`, `upstream`): 64 bits of a hash of both."""
+    digest = hashlib.blake2b(f"{key}\x00{upstream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def affinity_key(tenant_salt: str, group_id: str) -> str:
+    """What requests are routed by: the same group of two tenants may live on two upstreams."""
+    return f"{tenant_salt}/{group_id}"

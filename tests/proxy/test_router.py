@@ -1,0 +1,91 @@
+"""The affinity router alone: rendezvous stability when upstreams come and go, the fallback to
+the less loaded of two choices, upstreams believed down going last."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.proxy.routing import AffinityRouter, affinity_key
+
+URLS = tuple(f"http://10.0.0.{n}:8000" for n in range(1, 6))
+KEYS = [affinity_key(f"tenant{n % 3}", f"tg_{n:016x}") for n in range(4000)]
+
+
+def homes(router: AffinityRouter) -> dict[str, str]:
+    return {key: router.route(key, {}).order[0] for key in KEYS}
+
+
+def test_a_key_always_has_the_same_home_and_keys_spread_evenly():
+    router = AffinityRouter(URLS, max_in_flight=4)
+    first, again = homes(router), homes(AffinityRouter(tuple(reversed(URLS)), max_in_flight=4))
+    assert first == again  # neither the call nor the listed order of upstreams moves a key
+    per_upstream = Counter(first.values())
+    assert set(per_upstream) == set(URLS)
+    assert all(abs(count - len(KEYS) / len(URLS)) < 0.15 * len(KEYS) / len(URLS) for count in per_upstream.values())
+
+
+def test_adding_an_upstream_moves_only_its_share_and_only_to_it():
+    before = homes(AffinityRouter(URLS[:4], max_in_flight=4))
+    after = homes(AffinityRouter(URLS, max_in_flight=4))
+    moved = [key for key in KEYS if before[key] != after[key]]
+    assert all(after[key] == URLS[4] for key in moved)  # no key moves between the old upstreams
+    assert abs(len(moved) / len(KEYS) - 1 / 5) < 0.03
+
+
+def test_removing_an_upstream_moves_only_its_keys_each_to_its_second_choice():
+    full = AffinityRouter(URLS, max_in_flight=4)
+    smaller = homes(AffinityRouter(URLS[1:], max_in_flight=4))
+    for key, home in homes(full).items():
+        expected = full.ranking(key)[1] if home == URLS[0] else home
+        assert smaller[key] == expected
+
+
+def test_a_home_over_its_bound_shares_with_the_less_loaded_second_choice():
+    router = AffinityRouter(URLS, max_in_flight=2)
+    key = KEYS[0]
+    home, second = router.ranking(key)[:2]
+    assert router.route(key, {home: 1}).order[0] == home  # under the bound: home
+    spilled = router.route(key, {home: 2, second: 0})
+    assert spilled.spilled and spilled.order[:2] == (second, home)  # the home is the next to try
+    assert router.route(key, {home: 2, second: 2}).order[0] == home  # a tie stays home
+    assert router.route(key, {home: 3, second: 2}).order[0] == second
+    assert router.route(key, {home: 2, second: 5}).order[0] == home  # the second is busier
+
+
+def test_a_hot_group_spreads_over_two_upstreams_only():
+    router = AffinityRouter(URLS, max_in_flight=1)
+    key, load = KEYS[1], Counter[str]()
+    for _ in range(10):
+        load[router.route(key, load).order[0]] += 1
+    assert set(load) == set(router.ranking(key)[:2]) and load.total() == 10
+
+
+def test_upstreams_believed_down_go_last_in_rank_order():
+    router = AffinityRouter(URLS, max_in_flight=4)
+    key = KEYS[2]
+    ranked = router.ranking(key)
+    route = router.route(key, {}, down={ranked[0], ranked[2]})
+    assert route.order == (ranked[1], ranked[3], ranked[4], ranked[0], ranked[2])
+    assert not route.spilled
+    everything_down = router.route(key, {}, down=set(URLS))
+    assert everything_down.order == ranked  # still tried, best first
+
+
+def test_a_down_second_choice_takes_no_spill():
+    router = AffinityRouter(URLS[:2], max_in_flight=1)
+    key = KEYS[3]
+    home, second = router.ranking(key)
+    assert router.route(key, {home: 5}, down={second}).order == (home, second)
+
+
+def test_tenants_route_the_same_group_independently():
+    router = AffinityRouter(URLS, max_in_flight=4)
+    group_homes = {router.route(affinity_key(f"tenant{n}", "tg_same"), {}).order[0] for n in range(40)}
+    assert len(group_homes) > 1
+
+
+def test_a_router_needs_an_upstream():
+    with pytest.raises(ValueError, match="at least one upstream"):
+        AffinityRouter((), max_in_flight=1)
