@@ -34,7 +34,15 @@ from gateway.generation_http import (
     unless_disconnected,
     whole_json,
 )
-from gateway.protocol import INT64_MAX, INT64_MIN, MAX_TOKENS_LIMIT, StreamOptions, UnsupportedField
+from gateway.logprobs import LegacyLogprobs
+from gateway.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TOKENS_LIMIT,
+    StreamOptions,
+    UnsupportedField,
+    check_logit_bias,
+)
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.sampling import SamplingParams
 from gateway.serving import ChatService, Prepared
@@ -42,16 +50,13 @@ from gateway.serving import ChatService, Prepared
 router = APIRouter()
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint
 
 # Fields that are not implemented, each with the values that ask for nothing (accepted).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
     "echo": lambda v: v is False,
-    "logprobs": lambda v: False,
-    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "logit_bias": lambda v: v == {},
 }
 
 
@@ -69,6 +74,10 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many alternatives per token
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +111,11 @@ class CompletionRequest(BaseModel):
         if isinstance(stop, list) and len(stop) > 4:
             raise ValueError("at most 4 stop sequences")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return check_logit_bias(bias)
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -170,13 +184,17 @@ def _sampling(service: ChatService, req: CompletionRequest, prompt_len: int) -> 
                                     f"context of {service.context_len} tokens", param="max_tokens")
     return SamplingParams(max_tokens=min(req.max_tokens or DEFAULT_MAX_TOKENS, room),
                           temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop_sequences)
+                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop_sequences,
+                          logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                          frequency_penalty=req.frequency_penalty or 0.0,
+                          presence_penalty=req.presence_penalty or 0.0, logit_bias=service.logit_bias(req.logit_bias))
 
 
 async def _whole(service: ChatService, prepared: Prepared) -> dict[str, Any]:
     chat = await service.complete(prepared)
     choice = chat["choices"][0]
-    body = _text_completion(chat, [_choice(choice["message"]["content"] or "", choice["finish_reason"])])
+    body = _text_completion(chat, [_choice(choice["message"]["content"] or "", choice["finish_reason"],
+                                           LegacyLogprobs(prepared.job.params.logprobs).shape(choice["logprobs"]))])
     body["usage"] = chat["usage"]
     return body
 
@@ -190,25 +208,26 @@ async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, incl
     first = await unless_disconnected(request, anext(chunks))
     if first is GONE:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = sse_data(_text_chunk(first), _text_chunks(chunks), state.metrics, prepared.request_id)
+    legacy = LegacyLogprobs(prepared.job.params.logprobs)  # text offsets run on over the chunks
+    events = sse_data(_text_chunk(first, legacy), _text_chunks(chunks, legacy), state.metrics, prepared.request_id)
     return sse_response(state, prepared, events, release)
 
 
-async def _text_chunks(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def _text_chunks(chunks: AsyncIterator[dict[str, Any]], legacy: LegacyLogprobs) -> AsyncIterator[dict[str, Any]]:
     async for chunk in chunks:
-        text_chunk = _text_chunk(chunk)
+        text_chunk = _text_chunk(chunk, legacy)
         if text_chunk is not None:
             yield text_chunk
 
 
-def _text_chunk(chunk: dict[str, Any]) -> dict[str, Any] | None:
+def _text_chunk(chunk: dict[str, Any], legacy: LegacyLogprobs) -> dict[str, Any] | None:
     """A chat stream chunk as a `text_completion` chunk; None for one that carries nothing
     here (the assistant role that opens a chat stream)."""
     choices = []
     for choice in chunk["choices"]:
         text, finish = choice["delta"].get("content") or "", choice["finish_reason"]
         if text or finish is not None:
-            choices.append(_choice(text, finish))
+            choices.append(_choice(text, finish, legacy.shape(choice["logprobs"])))
     if not choices and "usage" not in chunk:
         return None
     out = _text_completion(chunk, choices)
@@ -222,8 +241,8 @@ def _text_completion(chat: dict[str, Any], choices: list[dict[str, Any]]) -> dic
             "choices": choices, "system_fingerprint": chat["system_fingerprint"]}
 
 
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _no_sink(event: EngineEvent) -> None:

@@ -3,7 +3,7 @@
 Types are strict at the edge: a string is not a number and a number is not a boolean
 (`"max_tokens": "5"` and `"stream": "yes"` are 400s that name the field, not coerced). Integers are
 range-checked before they reach torch. OpenAI fields toolkv does not implement are a 400 naming
-the field unless they hold their no-op default (`"logprobs": false`, `"frequency_penalty": 0`):
+the field unless they hold their no-op default (`"store": false`, `"modalities": ["text"]`):
 a client never gets a 200 that silently ignored what it asked for. Fields outside OpenAI's API
 (vendor extras some clients send) are ignored.
 """
@@ -14,12 +14,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 class _Lenient(BaseModel):
@@ -45,11 +47,12 @@ class ToolCallWire(_Lenient):
 
 
 class MessageIn(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallWire] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCallIn | None = None  # legacy: an assistant's call, before tool_calls
 
     @model_validator(mode="after")
     def _content_required(self) -> MessageIn:
@@ -62,7 +65,10 @@ class MessageIn(_Lenient):
             ToolCallIn(id=c.id, name=c.function.name, arguments=_args_text(c.function.arguments))
             for c in self.tool_calls or ()
         )
-        role = "system" if self.role == "developer" else self.role
+        if self.function_call is not None:  # legacy functions: the call, and ("function") its result
+            calls += (ToolCallIn(id="", name=self.function_call.name,
+                                 arguments=_args_text(self.function_call.arguments)),)
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         return ChatMessage(role=role, content=_text_of(self.content), tool_calls=calls,
                            tool_call_id=self.tool_call_id, name=self.name)
 
@@ -135,13 +141,6 @@ class UnsupportedField(ValueError):
 
 # OpenAI fields that are not implemented, each with the values that ask for nothing (accepted).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
-    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "logit_bias": lambda v: v == {},
-    "functions": lambda v: False,
-    "function_call": lambda v: False,
     "audio": lambda v: False,
     "modalities": lambda v: v == ["text"],
     "prediction": lambda v: False,
@@ -172,6 +171,14 @@ class ChatCompletionRequest(_Lenient):
     n: int | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # Legacy function calling, served as `tools` / `tool_choice` (see `_legacy_functions`).
+    functions: list[FunctionSpecIn] | None = Field(None, min_length=1, max_length=128)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -182,6 +189,52 @@ class ChatCompletionRequest(_Lenient):
                 if value is not None and not is_noop(value):
                     raise UnsupportedField(name)
         return data
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):  # as OpenAI: asking for alternatives needs logprobs on
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return top
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return check_logit_bias(bias)
+
+    @field_validator("functions")
+    @classmethod
+    def _functions_or_tools(cls, functions: list[FunctionSpecIn] | None,
+                            info: ValidationInfo) -> list[FunctionSpecIn] | None:
+        if functions is not None and info.data.get("tools") is not None:
+            raise ValueError("send 'tools' or the deprecated 'functions', not both")
+        names = [f.name for f in functions or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two functions have the same name")
+        return functions
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, choice: Literal["none", "auto"] | NamedFunction | None,
+                       info: ValidationInfo) -> Literal["none", "auto"] | NamedFunction | None:
+        if choice is not None and info.data.get("tool_choice") is not None:
+            raise ValueError("send 'tool_choice' or the deprecated 'function_call', not both")
+        names = {f.name for f in info.data.get("functions") or ()}
+        if isinstance(choice, NamedFunction) and choice.name not in names:
+            raise ValueError(f"names the function '{choice.name}', which is not in 'functions'")
+        return choice
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatCompletionRequest:
+        """`functions` served as `tools`, `function_call` as `tool_choice` (one call at most: a
+        legacy response has one `function_call`)."""
+        if self.functions is None:
+            return self
+        self.tools = [ToolIn(function=f) for f in self.functions]
+        choice = self.function_call
+        self.tool_choice = NamedToolChoice(function=choice) if isinstance(choice, NamedFunction) else choice
+        self.parallel_tool_calls = False
+        return self
 
     @field_validator("n")
     @classmethod
@@ -206,6 +259,22 @@ class ChatCompletionRequest(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Asked with `functions`: the answer carries `function_call`, not `tool_calls`."""
+        return self.functions is not None
+
+
+def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """`logit_bias` keys are token ids written in decimal, values in [-100, 100] (as OpenAI); whether
+    an id exists in this model's vocabulary is checked by the service."""
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"the key '{key[:20]}' is not a token id (token ids are written as \"1234\")")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"the bias of token {key} is {value}; biases are from -100 to 100")
+    return bias
 
 
 def _text_of(content: str | list[TextPart] | None) -> str | None:
@@ -249,13 +318,17 @@ def completion_dict(
     finish_reason: str,
     usage: dict[str, Any],
     system_fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    legacy_functions: bool = False,
 ) -> dict[str, Any]:
+    if legacy_functions:
+        message, finish_reason = _as_function_call(message), _legacy_finish(finish_reason)
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage,
         "system_fingerprint": system_fingerprint,
     }
@@ -269,9 +342,13 @@ def chunk_dict(
     finish_reason: str | None = None,
     usage: dict[str, Any] | None = None,
     system_fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    legacy_functions: bool = False,
 ) -> dict[str, Any]:
+    if legacy_functions and delta is not None:
+        delta, finish_reason = _as_function_call(delta), finish_reason and _legacy_finish(finish_reason)
     choices = [] if delta is None else [
-        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     ]
     chunk: dict[str, Any] = {
         "id": completion_id,
@@ -284,6 +361,21 @@ def chunk_dict(
     if usage is not None:
         chunk["usage"] = usage
     return chunk
+
+
+def _as_function_call(message: dict[str, Any]) -> dict[str, Any]:
+    """A message or delta with `tool_calls` as the legacy `function_call` (its one call; a legacy
+    request allows one): `{name, arguments}` whole, or in a delta the name first, then fragments."""
+    if "tool_calls" not in message:
+        return message
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    function = message["tool_calls"][0]["function"]
+    out["function_call"] = {k: function[k] for k in ("name", "arguments") if k in function}
+    return out
+
+
+def _legacy_finish(finish_reason: str) -> str:
+    return "function_call" if finish_reason == "tool_calls" else finish_reason
 
 
 def model_list(model_id: str, created: int) -> dict[str, Any]:

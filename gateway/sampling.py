@@ -1,13 +1,16 @@
-"""Next-token choice (greedy, or temperature + top-p with an optional seed) and the text stream
-that turns tokens into text deltas while watching for stop sequences."""
+"""Next-token choice (greedy, or temperature + top-p with an optional seed), with OpenAI's
+`logit_bias`, presence/frequency penalties and logprobs, and the text stream that turns tokens
+into text deltas while watching for stop sequences."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
 if TYPE_CHECKING:
     from gateway.constraints import Constraint
@@ -22,6 +25,21 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: bool = False  # record each token's logprob (and `top_logprobs` alternatives)
+    top_logprobs: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids checked against the model
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log probability and the most likely tokens at its position (most likely
+    first), from the logits after logit_bias, penalties and the grammar mask, before temperature."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class NonFiniteLogits(Exception):
@@ -35,8 +53,10 @@ def all_finite(logits: torch.Tensor) -> bool:
 
 
 class Sampler:
-    """One sequence's next-token choice: the logits are checked, masked to its grammar (if it has
-    one), then the token is picked (greedy, or temperature + top-p); the grammar follows it."""
+    """One sequence's next-token choice: the logits are checked, biased (`logit_bias`), penalized
+    (presence/frequency, over this sequence's tokens so far), masked to its grammar (if it has
+    one); the token's logprobs are recorded (when asked) from those logits; then the token is
+    picked (greedy, or temperature + top-p) and the grammar follows it."""
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
@@ -47,12 +67,21 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        # logit_bias is transformers' SequenceBiasLogitsProcessor with one-token sequences: it adds
+        # each bias to its token's logit, which is OpenAI's definition.
+        self._bias = SequenceBiasLogitsProcessor([[[token], float(bias)] for token, bias in params.logit_bias]) \
+            if params.logit_bias else None
+        self._no_input_ids = torch.empty((1, 0), dtype=torch.long)  # one-token biases never read the context
+        self._penalize = bool(params.frequency_penalty or params.presence_penalty)
+        self._counts: torch.Tensor | None = None  # per token: how often this sequence sampled it
+        self.last_logprob: TokenLogprob | None = None  # the last token's, when `params.logprobs`
 
     def next_token(self, logits: torch.Tensor) -> int:
         """`logits`: [vocab] for the last position. Non-finite logits raise NonFiniteLogits
         (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
         if not all_finite(logits):
             raise NonFiniteLogits("the model produced non-finite logits")
+        logits = self._adjusted(logits)
         if self.constraint is None:
             return self._choose(logits)
         started = time.perf_counter()
@@ -64,13 +93,51 @@ class Sampler:
         self.constraint_s = (masked - started) + (time.perf_counter() - accepting)  # the grammar's own cost
         return token
 
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the request's logit_bias and penalties (a copy; the same tensor if none)."""
+        if self._bias is not None:
+            logits = self._bias(self._no_input_ids, logits.unsqueeze(0))[0]
+        if self._penalize:
+            if self._counts is None:
+                self._counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            logits = penalized(logits, self._counts, self.params.frequency_penalty, self.params.presence_penalty)
+        return logits
+
     def _choose(self, logits: torch.Tensor) -> int:
+        """Pick from the processed logits; record the token's logprobs and count it."""
+        token = self._pick(logits)
+        if self.params.logprobs:  # only then: no log-softmax on the hot path
+            self.last_logprob = token_logprob(logits, token, self.params.top_logprobs)
+        if self._counts is not None:
+            self._counts[token] += 1
+        return token
+
+    def _pick(self, logits: torch.Tensor) -> int:
         if self.params.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             probs = _top_p(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+def penalized(logits: torch.Tensor, counts: torch.Tensor, frequency: float, presence: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: `logit[j] -= count[j] * frequency + (count[j] > 0)
+    * presence`, `count` over the tokens generated so far. Own code because transformers'
+    RepetitionPenaltyLogitsProcessor divides or multiplies a logit (CTRL's penalty) and counts the
+    prompt too: a different definition."""
+    return logits - counts * frequency - (counts > 0).to(counts.dtype) * presence
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log probability under `logits` and the `top` most likely tokens; a token masked
+    out (-inf) is never among them."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        alternatives = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if math.isfinite(v))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -80,6 +147,35 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return filtered / filtered.sum()
+
+
+class HeldLogprobs:
+    """A sequence's token logprobs, each held until the text its token wrote has been sent: a
+    delta carries the logprobs of the tokens whose text ends in it. A stop sequence cuts the
+    text: the tokens that wrote some of what was sent go with the last delta, the others are
+    dropped (their text never reaches the client)."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[int, int, TokenLogprob]] = []  # (text start, text end, entry)
+        self._end = 0
+
+    def hold(self, entry: TokenLogprob, text_end: int) -> None:
+        self._held.append((self._end, text_end, entry))
+        self._end = text_end
+
+    def release(self, sent_chars: int | None, cut: bool = False) -> tuple[TokenLogprob, ...]:
+        """Those whose text is within the first `sent_chars` characters (None: all); `cut`: those
+        whose text starts there, and none is held any more."""
+        if not self._held:
+            return ()
+        if sent_chars is None or cut:
+            limit = len(self._held) if sent_chars is None else sum(
+                1 for start, end, _ in self._held if start < sent_chars or end <= sent_chars)
+            taken, self._held = self._held[:limit], []
+        else:
+            limit = next((i for i, (_, end, _) in enumerate(self._held) if end > sent_chars), len(self._held))
+            taken, self._held = self._held[:limit], self._held[limit:]
+        return tuple(entry for _, _, entry in taken)
 
 
 class Decoder(Protocol):
@@ -97,6 +193,7 @@ class TextStream:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.emitted_chars = 0
+        self.text_chars = 0  # where the text written so far ends (see _written_chars)
         self.stopped = False
         # Special tokens are dropped from the text, except the family's tool-call markers (a
         # Mistral model writes `[TOOL_CALLS]` as one special token, and the parser needs it).
@@ -109,6 +206,7 @@ class TextStream:
         if token_id not in self.hidden_ids:
             self._visible.append(token_id)
         text = self._text()
+        self.text_chars = _written_chars(text)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         end = self._stop_at(text)
@@ -139,3 +237,10 @@ class TextStream:
         delta = text[self.emitted_chars : end]
         self.emitted_chars = end
         return delta
+
+
+def _written_chars(text: str) -> int:
+    """Where `text` ends; a character not complete yet (decoded as U+FFFD) counts as written: the
+    token that began it ends inside it, and is sent with it."""
+    complete = text.rstrip("\ufffd")
+    return len(complete) + (complete != text)

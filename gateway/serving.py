@@ -22,10 +22,11 @@ from gateway import protocol
 from gateway.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
+from gateway.logprobs import StreamLogprobs, TokenTexts
 from gateway.metrics import Metrics
 from gateway.prompt_tokens import PromptTokenizer
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice
-from gateway.sampling import SamplingParams
+from gateway.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Prepared:
     prepare_s: float = 0.0  # arrival to job: parse, validate, render, tokenize
     prefilled: Prefilled | None = None  # set when the engine reports the prefill
     request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
+    legacy_functions: bool = False  # asked with `functions`: answer with `function_call`
 
     def response_headers(self) -> dict[str, str]:
         """`X-Toolkv-Cache` (hit/miss/bypass/skip) and a W3C `Server-Timing` of where the time went
@@ -72,6 +74,7 @@ class Outcome:
     ttft_s: float | None = None
     finish: Finished | None = None
     text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class ChatService:
@@ -98,6 +101,8 @@ class ChatService:
         self.grammars = Grammars(tokenizer, _vocab_size(engine, tokenizer), engine.eos_ids if engine else ())
         self.call_specials = _special_markers(tokenizer, family.call_markers, engine)
         self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
+        self.token_texts = TokenTexts(tokenizer, engine.special_ids if engine is not None else ())
+        self.num_token_ids = _num_token_ids(engine, tokenizer)
 
     # ---- preparing -------------------------------------------------------------------------
 
@@ -143,7 +148,8 @@ class ChatService:
                         forced_opening=forced.opening, single_call=single_call,
                         use_cache=use_cache, group_id=group_id, started=received,
                         prepare_s=time.perf_counter() - received,
-                        request_id=request_id or protocol.new_completion_id())
+                        request_id=request_id or protocol.new_completion_id(),
+                        legacy_functions=req.legacy_functions)
 
     def _check_characters(self, messages: list[ChatMessage]) -> None:
         """Reject a prompt that cannot fit before rendering or tokenizing it: no token spans more
@@ -224,7 +230,26 @@ class ChatService:
         temperature = 1.0 if req.temperature is None else req.temperature
         return SamplingParams(max_tokens=min(asked or self.default_max_tokens, room),
                               temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              seed=req.seed, stop=req.stop_sequences)
+                              seed=req.seed, stop=req.stop_sequences, logprobs=bool(req.logprobs),
+                              top_logprobs=req.top_logprobs or 0, frequency_penalty=req.frequency_penalty or 0.0,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              logit_bias=self.logit_bias(req.logit_bias))
+
+    def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` (keys already checked to be decimal ids) as (token id, bias) pairs; a 400
+        naming it for an id this model does not have."""
+        pairs = tuple((int(key), value) for key, value in (bias or {}).items())
+        for token, _ in pairs:
+            if token >= self.num_token_ids:
+                raise BadRequest(f"logit_bias names token {token}, which is not in this model's vocabulary "
+                                 f"(token ids 0..{self.num_token_ids - 1})", param="logit_bias")
+        return pairs
+
+    def logprobs_content(self, prepared: Prepared, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """`choices[0].logprobs` of a whole answer: None unless the request asked for logprobs."""
+        if not prepared.job.params.logprobs:
+            return None
+        return {"content": self.token_texts.content(entries, prepared.job.keep_token_ids), "refusal": None}
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -262,6 +287,7 @@ class ChatService:
             self._observe(prepared, outcome, event)
             if isinstance(event, TextDelta):
                 outcome.text_parts.append(event.text)
+                outcome.logprobs.extend(event.logprobs)
             elif isinstance(event, Failed):
                 raise GenerationFailed(event.message)
         assert outcome.finish is not None and outcome.prefilled is not None
@@ -269,7 +295,9 @@ class ChatService:
         usage = _usage(outcome)
         self._record(prepared, outcome, "200", stream=False)
         return protocol.completion_dict(prepared.request_id, prepared.model_name, message,
-                                        finish_reason, usage, self.system_fingerprint)
+                                        finish_reason, usage, self.system_fingerprint,
+                                        logprobs=self.logprobs_content(prepared, outcome.logprobs),
+                                        legacy_functions=prepared.legacy_functions)
 
     def _message(self, text: str, prepared: Prepared, finish: Finished) -> tuple[dict[str, Any], str]:
         """The assistant message and finish reason. A tool turn is read by the same streamer the
@@ -314,7 +342,10 @@ class ChatService:
     async def _stream(self, prepared: Prepared, include_usage: bool,
                       outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
         chunk = functools.partial(protocol.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
-                                  system_fingerprint=self.system_fingerprint)
+                                  system_fingerprint=self.system_fingerprint,
+                                  legacy_functions=prepared.legacy_functions)
+        logprobs = StreamLogprobs(self.token_texts if prepared.job.params.logprobs else None,
+                                  prepared.job.keep_token_ids)
         streamer = SyntaxStreamer(self.family.call_syntax()) if prepared.tools_active else None
         calls = _CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
@@ -330,18 +361,19 @@ class ChatService:
                 self._record(prepared, outcome, "500", stream=True)
                 raise GenerationFailed(event.message)
             if isinstance(event, TextDelta):
+                logprobs.add(event.logprobs)
                 pieces = streamer.feed(event.text) if streamer else [ContentDelta(event.text)]
                 for delta in calls.deltas(pieces):
-                    yield chunk(delta)
+                    yield chunk(delta, logprobs=logprobs.take())
                 handoff.set()  # the consumer asked for more: the chunks above were sent
         if streamer is not None:
             for delta in calls.deltas(streamer.finish()):
-                yield chunk(delta)
+                yield chunk(delta, logprobs=logprobs.take())
             if streamer.parse_failed:
                 self.metrics.tool_parse_failures.inc()
         assert outcome.finish is not None
         reason = _call_finish(outcome.finish) if calls.count else outcome.finish.finish_reason
-        yield chunk({}, finish_reason=reason)
+        yield chunk({}, finish_reason=reason, logprobs=logprobs.take())  # what no text chunk carried
         if include_usage:
             yield chunk(None, usage=_usage(outcome))
         self._record(prepared, outcome, "200", stream=True)
@@ -483,6 +515,13 @@ def _special_markers(tokenizer: Any, markers: tuple[str, ...], engine: Engine | 
     vocab = tokenizer.get_vocab()
     special = engine.special_ids if engine is not None else frozenset()
     return {m: vocab[m] for m in markers if m in vocab and vocab[m] in special}
+
+
+def _num_token_ids(engine: Engine | None, tokenizer: Any) -> int:
+    """Token ids the tokenizer knows and the model scores (its logits may be padded past them)."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    scored = int(getattr(config, "vocab_size", 0) or 0)
+    return min(len(tokenizer), scored) if scored else len(tokenizer)
 
 
 def _unset_emit(event: EngineEvent) -> None:

@@ -545,11 +545,13 @@ class Engine:
             self._finish(seq, "stop", seq.generated - 1)
             return
         delta = seq.stream.push(token)
-        if delta:
-            job.emit(TextDelta(delta))
-            if job.first_token_sent is not None and not seq.first_token_handed_off:
-                seq.first_token_handed_off = True
-                job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
+        if seq.sampler.last_logprob is not None:  # (after the end-of-sequence check: that one is no answer's)
+            seq.logprobs.hold(seq.sampler.last_logprob, seq.stream.text_chars)
+        if delta or seq.stream.stopped:
+            self._emit_text(seq, delta, seq.stream.emitted_chars)
+        if delta and job.first_token_sent is not None and not seq.first_token_handed_off:
+            seq.first_token_handed_off = True
+            job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
         if seq.stream.stopped:
             self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
             job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids)))
@@ -561,10 +563,15 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
         self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
-        rest = seq.stream.flush()
-        if rest:
-            seq.job.emit(TextDelta(rest))
+        self._emit_text(seq, seq.stream.flush(), None)
         seq.job.emit(Finished(reason, count, tuple(seq.stream.token_ids)))
+
+    def _emit_text(self, seq: Sequence, text: str, sent_chars: int | None) -> None:
+        """Send `text` (the answer is `sent_chars` characters long with it; None: all of it) with
+        the logprobs of the tokens whose text it completes."""
+        logprobs = seq.logprobs.release(sent_chars, cut=seq.stream.stopped)
+        if text or logprobs:
+            seq.job.emit(TextDelta(text, logprobs))
 
     def _retire(self, seq: Sequence, keep_turn: bool = False) -> None:
         """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV

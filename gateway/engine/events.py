@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gateway.sampling import SamplingParams
+from gateway.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.constraints import Constraint
@@ -34,6 +34,9 @@ class Prefilled:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    # When the job asked for them, the logprobs of the tokens whose text ends in this delta (the
+    # stream may hold text back: half a character, a possible stop sequence), see HeldLogprobs.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

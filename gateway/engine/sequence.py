@@ -23,7 +23,7 @@ from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.sampling import Sampler, TextStream
+from gateway.sampling import HeldLogprobs, Sampler, TextStream
 
 
 class Phase(enum.Enum):
@@ -59,6 +59,7 @@ class Sequence:
     chain: list[bytes] = field(default_factory=list)  # the prompt's block hashes (prefix_index)
     source: Record | None = None  # the conversation record its rest started from
     rest_from: int = 0  # where its own prompt tokens start being computed (after a copied turn)
+    logprobs: HeldLogprobs = field(default_factory=HeldLogprobs)  # sampled, their text not sent yet
     _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property

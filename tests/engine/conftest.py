@@ -11,6 +11,7 @@ from gateway.engine import Finished, Prefilled, TextDelta
 from gateway.metrics import Metrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.runtime import Runtime, build_runtime
+from gateway.sampling import TokenLogprob
 from gateway.settings import load_settings
 
 
@@ -37,10 +38,12 @@ def runtime_for(tiny_model_dir: Callable[..., Path]) -> Iterator[Callable[..., R
 
 
 class Run:
-    def __init__(self, prefilled: Prefilled, finished: Finished, text: str) -> None:
+    def __init__(self, prefilled: Prefilled, finished: Finished, text: str,
+                 logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.prefilled = prefilled
         self.finished = finished
         self.text = text
+        self.logprobs = logprobs
 
 
 def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False, tenant: str = "",
@@ -51,16 +54,17 @@ def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False, tenan
                                        salt_for=lambda _: "" if shared else tenant, tenant=tenant)
 
     async def collect() -> Run:
-        pre, fin, parts = None, None, []
+        pre, fin, parts, logprobs = None, None, [], []
         async for event in runtime.service.events(prepared):
             if isinstance(event, Prefilled):
                 pre = event
             elif isinstance(event, TextDelta):
                 parts.append(event.text)
+                logprobs += event.logprobs
             elif isinstance(event, Finished):
                 fin = event
         assert pre is not None and fin is not None
-        return Run(pre, fin, "".join(parts))
+        return Run(pre, fin, "".join(parts), tuple(logprobs))
 
     return asyncio.run(collect())
 

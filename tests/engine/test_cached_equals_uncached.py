@@ -57,6 +57,25 @@ def test_sampling_with_a_seed_is_the_same_on_hit_and_miss(runtime_for, merchant_
     assert miss.finished.token_ids == hit.finished.token_ids
 
 
+def test_logprobs_penalties_and_logit_bias_are_the_same_on_miss_hit_and_bypass(runtime_for, merchant_tools):
+    """The sampling fields act on the logits the same way whatever the cache did: same tokens,
+    and bit-identical logprobs and alternatives."""
+    runtime = runtime_for("llama")
+    request = body(merchant_tools[:5], logprobs=True, top_logprobs=5, presence_penalty=0.7, frequency_penalty=1.3,
+                   logit_bias={"260": 2.0, "28": -3.0})
+    miss = generate(runtime, request)
+    hit = generate(runtime, request)
+    plain = generate(runtime, request, bypass=True)
+    assert (miss.prefilled.result, hit.prefilled.result, plain.prefilled.result) == ("miss", "hit", "bypass")
+    assert len(miss.logprobs) == len(miss.finished.token_ids) == 24
+    assert [e.token_id for e in miss.logprobs] == list(miss.finished.token_ids)
+    assert miss.finished.token_ids == hit.finished.token_ids == plain.finished.token_ids
+    assert miss.logprobs == hit.logprobs == plain.logprobs
+    assert all(len(e.top) == 5 for e in miss.logprobs)
+    unbiased = generate(runtime, body(merchant_tools[:5]))
+    assert unbiased.finished.token_ids != miss.finished.token_ids  # the fields did act
+
+
 def test_tool_order_hits_the_same_entry_and_a_changed_tool_misses(runtime_for, merchant_tools):
     runtime = runtime_for("llama")
     tools = merchant_tools[:5]

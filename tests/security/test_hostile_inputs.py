@@ -82,9 +82,6 @@ def test_integers_are_range_checked_and_strings_are_not_numbers(live):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("logprobs", True), ("top_logprobs", 2), ("response_format", {"type": "json_object"}),
-    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 10}),
-    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "mp3"}), ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"), ("store", True),
 ])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.sampling import Sampler, SamplingParams
+from gateway.sampling import HeldLogprobs, Sampler, SamplingParams, TokenLogprob, penalized
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-10])
@@ -21,3 +21,88 @@ def test_same_seed_same_tokens_and_greedy_at_zero_temperature():
     draws = [[Sampler(SamplingParams(4, 1.0, 0.9, seed=7)).next_token(logits) for _ in range(5)] for _ in range(2)]
     assert draws[0] == draws[1]
     assert Sampler(SamplingParams(4, 0.0)).next_token(logits) == int(torch.argmax(logits))
+
+
+def test_penalties_follow_openais_formula():
+    """logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    counts = torch.tensor([0.0, 1.0, 3.0, 0.0, 2.0])
+    out = penalized(logits, counts, frequency=0.5, presence=1.0)
+    assert out.tolist() == [1.0, -0.5, -1.5, 1.0, -1.0]
+    assert penalized(logits, counts, frequency=-0.5, presence=0.0).tolist() == [1.0, 1.5, 2.5, 1.0, 2.0]
+
+
+def test_penalties_count_this_sequences_own_tokens_only():
+    logits = torch.tensor([0.5, 0.4, 0.3, 0.2, 0.1])
+    presence = Sampler(SamplingParams(8, 0.0, presence_penalty=1.0))
+    assert [presence.next_token(logits) for _ in range(5)] == [0, 1, 2, 3, 4]  # each token is paid for once
+    frequency = Sampler(SamplingParams(8, 0.0, frequency_penalty=0.15))
+    # 0.5 (0 used) > 0.4; then 0.35 < 0.4; 0.4 (1) vs 0.35 (0) -> 1; ...: the count grows the penalty
+    assert [frequency.next_token(logits) for _ in range(4)] == [0, 1, 0, 2]
+    assert Sampler(SamplingParams(8, 0.0, presence_penalty=1.0)).next_token(logits) == 0  # a new sequence: no counts
+
+
+class _BanFirst:
+    """A grammar stub that allows every token but 0."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.arange(logits.shape[0]) == 0, float("-inf"), logits)
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+
+def test_bias_then_penalties_then_grammar_then_logprobs_before_temperature():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    params = SamplingParams(4, temperature=1.5, seed=3, logprobs=True, top_logprobs=4, presence_penalty=2.0,
+                            logit_bias=((0, 100.0), (1, 5.0)))
+    grammar = _BanFirst()
+    sampler = Sampler(params, grammar)  # type: ignore[arg-type]
+    token = sampler.next_token(logits)
+    processed = torch.tensor([float("-inf"), 6.0, 2.0, 3.0])  # biased, then token 0 masked out
+    expected = torch.log_softmax(processed, dim=-1)
+    entry = sampler.last_logprob
+    assert entry is not None and entry.token_id == token == grammar.accepted[0]
+    assert entry.logprob == pytest.approx(float(expected[token]))  # from the logits before temperature
+    assert [i for i, _ in entry.top] == [1, 3, 2]  # the masked token is never an alternative
+    assert [lp for _, lp in entry.top] == pytest.approx([float(expected[i]) for i in (1, 3, 2)])
+    second = sampler.next_token(logits)
+    again = processed.clone()
+    again[token] -= 2.0  # the presence penalty on the token just sampled
+    assert sampler.last_logprob.logprob == pytest.approx(float(torch.log_softmax(again, dim=-1)[second]))
+
+
+def test_no_logprobs_are_computed_unless_asked():
+    sampler = Sampler(SamplingParams(4, 0.0))
+    sampler.next_token(torch.tensor([0.0, 1.0]))
+    assert sampler.last_logprob is None
+
+
+def test_greedy_logprob_is_the_top_alternative():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    sampler = Sampler(SamplingParams(4, 0.0, logprobs=True, top_logprobs=20))
+    token = sampler.next_token(logits)
+    entry = sampler.last_logprob
+    assert entry is not None and entry.top[0] == (token, entry.logprob) and len(entry.top) == 20
+    assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+
+
+def test_held_logprobs_go_with_the_text_that_ends_their_token_and_a_stop_drops_the_unsent():
+    held = HeldLogprobs()
+    a, b, c = (TokenLogprob(i, -1.0) for i in range(3))
+    held.hold(a, 4)  # "abcd"
+    held.hold(b, 7)  # "efg"
+    assert held.release(5) == (a,)  # "abcde" sent: b's text is not all out yet
+    assert held.release(6) == ()
+    held.hold(c, 9)  # "hi"
+    assert held.release(6, cut=True) == (b,)  # the stop starts at 6: b wrote some of the text, c none
+    assert held.release(None) == ()
+
+
+def test_a_partial_character_ends_where_the_character_does():
+    from gateway.sampling import _written_chars
+
+    assert _written_chars("ab") == 2 and _written_chars("ab\ufffd") == 3 and _written_chars("ab\ufffd\ufffd") == 3
