@@ -23,8 +23,9 @@ calls in their prompts. Objects that list `properties` and say nothing of
 `additionalProperties` are closed, and strings the schema leaves unbounded get a `maxLength`
 (setting `max_string_chars`, 0: none): an output valid for the tightened schema is valid for the
 given one, and a small model no longer invents keys or repeats itself inside a string until
-`max_tokens` cuts the call off (measured on the default model: "fuse_fuse_fuse..." for an email). The mask is applied to the logits the same way on
-a hit, a miss and a bypass, so the cache still never changes the output.
+`max_tokens` cuts the call off (measured on the default model: "fuse_fuse_fuse..." for an
+email). The mask is applied to the logits the same way on a hit, a miss and a bypass, so the
+cache still never changes the output.
 """
 
 from __future__ import annotations

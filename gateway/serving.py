@@ -352,7 +352,8 @@ class ChatService:
         handoff = prepared.job.first_token_sent = threading.Event()
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
-        yield chunk({"role": "assistant", "content": ""})
+        # A forced call's answer is only calls: its content is null from the first chunk, as OpenAI's
+        yield chunk({"role": "assistant", "content": None if prepared.forced_opening else ""})
         for delta in calls.deltas(opening):
             yield chunk(delta)
         async for event in _chain(first, events):
