@@ -140,8 +140,23 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
+TOP_P_HEAD = 256  # the most likely tokens sorted first; the whole vocabulary only if they fall short
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus: the most likely tokens whose probabilities reach `top_p`, renormalised. The
+    nucleus is a prefix of the tokens in order of probability, so when the `TOP_P_HEAD` likeliest
+    reach `top_p` (nearly always) only they are sorted: a full sort of a 49k vocabulary cost 1-2 ms
+    a token here, ~10 ms on a loaded machine."""
+    if probs.numel() > TOP_P_HEAD:
+        head, order = torch.topk(probs, TOP_P_HEAD)
+        if float(head.sum()) >= top_p:
+            return _nucleus(probs, head, order, top_p)
     sorted_probs, order = torch.sort(probs, descending=True)
+    return _nucleus(probs, sorted_probs, order, top_p)
+
+
+def _nucleus(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.Tensor, top_p: float) -> torch.Tensor:
     keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
     keep[0] = True  # the top token always stays, even when top_p underflows float32 to 0
     sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))

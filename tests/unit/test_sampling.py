@@ -106,3 +106,14 @@ def test_a_partial_character_ends_where_the_character_does():
     from gateway.sampling import _written_chars
 
     assert _written_chars("ab") == 2 and _written_chars("ab\ufffd") == 3 and _written_chars("ab\ufffd\ufffd") == 3
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (the whole vocabulary is sorted) to peaked
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
+def test_top_p_sorting_only_the_likeliest_tokens_gives_the_full_sorts_nucleus(scale, top_p):
+    from gateway.sampling import _nucleus, _top_p
+
+    probs = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(7)) * scale, dim=-1)
+    full = _nucleus(probs, *torch.sort(probs, descending=True), top_p)
+    assert torch.allclose(_top_p(probs, top_p), full, atol=1e-7)
+    assert int((full > 0).sum()) >= 1
