@@ -72,8 +72,7 @@ class Forwarder:
         answered, 502 when they answered with errors."""
         failures: list[Failure] = []
         for attempt, url in enumerate(route.order):
-            reason = "retry" if attempt else ("spill" if route.spilled else "home")
-            self.metrics.routed.labels(upstream=url, route=reason).inc()
+            self.metrics.routed.labels(upstream=url, route="retry" if attempt else route.reason).inc()
             exchange.upstream, exchange.attempts = url, attempt + 1
             result = await (self._open_stream(url, fwd, headers) if fwd.stream else self._post(url, fwd, headers))
             if not isinstance(result, Failure):

@@ -40,8 +40,9 @@ class ProxyMetrics:
                                          ["upstream", "status"], registry=r)
         self.routed = Counter("toolkv_upstream_routed_total",
                               "Requests by upstream and why they went there: home (the group's), spill (the "
-                              "group's second choice: its home was over upstream_max_in_flight), retry (an "
-                              "earlier upstream failed)", ["upstream", "route"], registry=r)
+                              "group's second choice: its home was over upstream_max_in_flight), failover (its "
+                              "home is believed down), retry (an earlier upstream failed this request)",
+                              ["upstream", "route"], registry=r)
         self.upstream_in_flight = Gauge("toolkv_upstream_in_flight", "Requests in flight per upstream",
                                         ["upstream"], registry=r)
         self.upstream_up = Gauge("toolkv_upstream_up",

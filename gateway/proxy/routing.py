@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,8 @@ class Route:
     """The upstreams to try, in order: `order[0]` first, the next after a failure."""
 
     order: tuple[str, ...]
-    spilled: bool  # the first choice is the second-ranked upstream: the home was over its bound
+    reason: Literal["home", "spill", "failover"]  # why order[0]: the key's home, its home over the
+    # bound (order[0] is the second choice), or its home believed down
 
 
 class AffinityRouter:
@@ -41,10 +43,10 @@ class AffinityRouter:
         every other (they are still tried when all else fails)."""
         ranked = self.ranking(key)
         order = [u for u in ranked if u not in down] + [u for u in ranked if u in down]
-        spilled = len(order) > 1 and order[1] not in down and self._spills(order[0], order[1], in_flight)
-        if spilled:
+        if len(order) > 1 and order[1] not in down and self._spills(order[0], order[1], in_flight):
             order[0], order[1] = order[1], order[0]
-        return Route(tuple(order), spilled)
+            return Route(tuple(order), "spill")
+        return Route(tuple(order), "home" if order[0] == ranked[0] else "failover")
 
     def _spills(self, home: str, second: str, in_flight: Mapping[str, int]) -> bool:
         home_load = in_flight.get(home, 0)

@@ -48,7 +48,7 @@ def test_a_home_over_its_bound_shares_with_the_less_loaded_second_choice():
     home, second = router.ranking(key)[:2]
     assert router.route(key, {home: 1}).order[0] == home  # under the bound: home
     spilled = router.route(key, {home: 2, second: 0})
-    assert spilled.spilled and spilled.order[:2] == (second, home)  # the home is the next to try
+    assert spilled.reason == "spill" and spilled.order[:2] == (second, home)  # the home is the next to try
     assert router.route(key, {home: 2, second: 2}).order[0] == home  # a tie stays home
     assert router.route(key, {home: 3, second: 2}).order[0] == second
     assert router.route(key, {home: 2, second: 5}).order[0] == home  # the second is busier
@@ -68,7 +68,8 @@ def test_upstreams_believed_down_go_last_in_rank_order():
     ranked = router.ranking(key)
     route = router.route(key, {}, down={ranked[0], ranked[2]})
     assert route.order == (ranked[1], ranked[3], ranked[4], ranked[0], ranked[2])
-    assert not route.spilled
+    assert route.reason == "failover"
+    assert router.route(key, {}, down={ranked[3]}).reason == "home"
     everything_down = router.route(key, {}, down=set(URLS))
     assert everything_down.order == ranked  # still tried, best first
 

@@ -1,0 +1,126 @@
+"""Proxy-mode fixtures: real toolkv upstreams on tiny random-weight models (each with its own
+cache dir), scripted upstreams that record what reaches them, and the proxy itself, every one a
+real uvicorn server on 127.0.0.1 that a test may stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.http_server import server_config
+from gateway.proxy.app import create_proxy_app
+from gateway.settings import Settings, load_settings
+from tests.support.server import free_port, wait_until_ready
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Running:
+    app: FastAPI
+    base_url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def stop(self) -> None:
+        """Shut the server down (its port then refuses connections)."""
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.base_url)
+
+
+@contextmanager
+def running(app: FastAPI) -> Iterator[Running]:
+    port = free_port()
+    server = uvicorn.Server(server_config(app, app.state.settings, host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    live = Running(app, f"http://127.0.0.1:{port}", server, thread)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:  # readiness polling, as tests/support/server.py does
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        assert wait_until_ready(live.base_url)["status"] == "ok"
+        yield live
+    finally:
+        if thread.is_alive():
+            live.stop()
+
+
+def wait_for(predicate: Callable[[], bool], deadline_s: float = 60.0) -> bool:
+    """Poll a state a server reaches on its own (like readiness polling)."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """`/metrics` as {'name{labels}': value} (samples only)."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(value for key, value in samples.items()
+               if key.split("{")[0] == name and all(w in key for w in wanted))
+
+
+@pytest.fixture(scope="module")
+def toolkv_upstreams(tiny_model_dir: Callable[..., Path],
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Running]]:
+    """Two toolkv servers on the same tiny model, each with its own cache."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(running(create_app(upstream_settings(tiny_model_dir, tmp_path_factory))))
+               for _ in range(2)]
+
+
+def upstream_settings(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
+                                    "served_model_name": MODEL, "max_queue": 16,
+                                    "cache_dir": str(tmp_path_factory.mktemp("upstream-cache"))}, environ={})
+
+
+@contextmanager
+def proxy(upstreams: list[Any], **overrides: Any) -> Iterator[Running]:
+    settings = load_settings(overrides={"upstreams": tuple(u.base_url for u in upstreams), **overrides},
+                             environ={})
+    with running(create_proxy_app(settings)) as live:
+        yield live
+
+
+def client_for(live: Running, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.api_url, api_key=key, max_retries=0, timeout=120)
+
+
+def tools_of(names_and_sizes: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": name, "description": f"{name} " + "words " * size,
+                                              "parameters": {"type": "object",
+                                                             "properties": {"x": {"type": "string"}}}}}
+            for name, size in names_and_sizes]

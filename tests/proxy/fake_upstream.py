@@ -1,0 +1,107 @@
+"""A scripted OpenAI-compatible upstream for what a real toolkv cannot be made to do on cue: it
+records every request that reaches it (body and headers), can hold requests until the test
+releases them, answer with a status, or break its stream off after the first event."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.settings import load_settings
+
+HOLD_LIMIT_S = 60.0  # a test that forgets to release fails instead of hanging
+
+
+@dataclass
+class Arrival:
+    upstream: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+class Arrivals:
+    """Requests as they reach any of the fake upstreams, in order; a test waits on them."""
+
+    def __init__(self) -> None:
+        self.seen: list[Arrival] = []
+        self._changed = threading.Condition()
+
+    def record(self, arrival: Arrival) -> None:
+        with self._changed:
+            self.seen.append(arrival)
+            self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float = 60.0) -> list[Arrival]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.seen) >= count, timeout_s), self.seen
+            return list(self.seen)
+
+
+@dataclass
+class FakeUpstream:
+    name: str
+    arrivals: Arrivals
+    status: int = 200
+    cached_tokens: int = 0
+    hold: threading.Event | None = None  # when set: every request waits for it
+    break_stream: bool = False  # stream: the first event, then the connection drops
+    app: FastAPI = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.app = FastAPI()
+        self.app.state.settings = load_settings(environ={})
+        self.app.add_api_route("/health", self._health, methods=["GET"])
+        self.app.add_api_route("/v1/models", self._models, methods=["GET"])
+        self.app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+
+    async def _health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": f"model-{self.name}", "object": "model",
+                                                         "created": 0, "owned_by": "fake"}]})
+
+    async def _chat(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        self.arrivals.record(Arrival(self.name, body, dict(request.headers)))
+        if self.hold is not None:
+            assert await asyncio.to_thread(self.hold.wait, HOLD_LIMIT_S), "the test never released the hold"
+        if self.status != 200:
+            return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "fake",
+                                           "param": None, "code": None}}, status_code=self.status)
+        if body.get("stream"):
+            return StreamingResponse(self._events(body), media_type="text/event-stream")
+        return JSONResponse({"id": f"chatcmpl-{self.name}", "object": "chat.completion", "created": 0,
+                             "model": body.get("model"), "choices": [{
+                                 "index": 0, "message": {"role": "assistant", "content": f"from {self.name}"},
+                                 "finish_reason": "stop", "logprobs": None}], "usage": self._usage()})
+
+    async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        for chunk in self.chunks(body):
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            if self.break_stream:
+                raise RuntimeError("the fake upstream drops the connection mid-stream")
+        yield b"data: [DONE]\n\n"
+
+    def chunks(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+            return {"id": f"chatcmpl-{self.name}", "object": "chat.completion.chunk", "created": 0,
+                    "model": body.get("model"), "choices": choices}
+
+        out = [chunk({"role": "assistant", "content": ""}), chunk({"content": f"from {self.name}"}),
+               chunk({}, "stop")]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            out.append({**chunk(None), "usage": self._usage()})
+        return out
+
+    def _usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
