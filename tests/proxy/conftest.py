@@ -18,9 +18,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from adapters.base import ToolGroup, ToolSpec
 from gateway.app import create_app
 from gateway.http_server import server_config
 from gateway.proxy.app import create_proxy_app
+from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings
 from tests.support.server import free_port, wait_until_ready
 
@@ -117,6 +119,23 @@ def proxy(upstreams: list[Any], **overrides: Any) -> Iterator[Running]:
 
 def client_for(live: Running, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=live.api_url, api_key=key, max_retries=0, timeout=120)
+
+
+def messages(system: str, question: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def group_id(system: str | None, tools: list[dict[str, Any]]) -> str:
+    """The tool group's id, as the model path and the proxy compute it."""
+    specs = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+             for t in tools]
+    return ToolGroup.of(system, specs).group_id
+
+
+def home_of(upstreams: list[Any], system: str | None, tools: list[dict[str, Any]], salt: str = "") -> Any:
+    """The upstream the router picks first for this group, none being loaded or down."""
+    ranked = AffinityRouter([u.base_url for u in upstreams], 1).ranking(affinity_key(salt, group_id(system, tools)))
+    return next(u for u in upstreams if u.base_url == ranked[0])
 
 
 def tools_of(names_and_sizes: list[tuple[str, int]]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """A scripted OpenAI-compatible upstream for what a real toolkv cannot be made to do on cue: it
 records every request that reaches it (body and headers), can hold requests until the test
-releases them, answer with a status, or break its stream off after the first event."""
+releases them, answer with a status, or break its stream off."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class FakeUpstream:
     status: int = 200
     cached_tokens: int = 0
     hold: threading.Event | None = None  # when set: every request waits for it
-    break_stream: bool = False  # stream: the first event, then the connection drops
+    break_after: int | None = None  # stream: this many events, then the connection drops
     app: FastAPI = field(init=False)
+    base_url: str = field(init=False, default="")  # set once it runs
 
     def __post_init__(self) -> None:
         self.app = FastAPI()
@@ -84,10 +85,10 @@ class FakeUpstream:
                                  "finish_reason": "stop", "logprobs": None}], "usage": self._usage()})
 
     async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        for chunk in self.chunks(body):
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            if self.break_stream:
+        for sent, chunk in enumerate(self.chunks(body)):
+            if sent == self.break_after:
                 raise RuntimeError("the fake upstream drops the connection mid-stream")
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     def chunks(self, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -15,7 +15,19 @@ import pytest
 
 from adapters.base import ToolGroup, ToolSpec
 from gateway.proxy.routing import AffinityRouter, affinity_key
-from tests.proxy.conftest import MODEL, Running, client_for, metric, proxy, scrape, tools_of, wait_for
+from tests.proxy.conftest import (
+    MODEL,
+    Running,
+    client_for,
+    group_id,
+    home_of,
+    messages,
+    metric,
+    proxy,
+    scrape,
+    tools_of,
+    wait_for,
+)
 
 TOOLS = tools_of([("orders", 30), ("refunds", 12), ("inventory", 20), ("customers", 8), ("shipping", 16)])
 
@@ -24,22 +36,6 @@ TOOLS = tools_of([("orders", 30), ("refunds", 12), ("inventory", 20), ("customer
 def proxied(toolkv_upstreams: list[Running]) -> Iterator[Running]:
     with proxy(toolkv_upstreams) as live:
         yield live
-
-
-def messages(system: str, question: str) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def group_id(system: str, tools: list[dict[str, Any]]) -> str:
-    specs = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
-             for t in tools]
-    return ToolGroup.of(system, specs).group_id
-
-
-def home_of(upstreams: list[Running], system: str) -> Running:
-    """The upstream the router picks for `system` + TOOLS on an open proxy (no tenant salt)."""
-    ranked = AffinityRouter([u.base_url for u in upstreams], 16).ranking(affinity_key("", group_id(system, TOOLS)))
-    return next(u for u in upstreams if u.base_url == ranked[0])
 
 
 def cached_groups(upstream: Running) -> dict[str, dict[str, Any]]:
@@ -112,7 +108,7 @@ def test_a_stream_passes_through_unchanged(proxied, toolkv_upstreams, include_us
             "temperature": 0, "max_tokens": 12, "stream": True}
     if include_usage:
         body["stream_options"] = {"include_usage": True}
-    home = home_of(toolkv_upstreams, system)
+    home = home_of(toolkv_upstreams, system, TOOLS)
     for _ in range(2):  # the group, then this very prompt, are cached from here on: every run below is alike
         raw_stream(home.api_url, body)
     direct = raw_stream(home.api_url, body)
@@ -125,7 +121,7 @@ def test_a_stream_passes_through_unchanged(proxied, toolkv_upstreams, include_us
 def test_hit_and_miss_metrics_are_the_upstreams_cached_tokens(proxied, toolkv_upstreams):
     client = client_for(proxied)
     system = "You count tokens."
-    home = home_of(toolkv_upstreams, system)
+    home = home_of(toolkv_upstreams, system, TOOLS)
     before, home_before = scrape(proxied.base_url), home.metrics()
     miss = client.chat.completions.create(model=MODEL, messages=messages(system, "a"), tools=TOOLS,
                                           tool_choice="none", temperature=0, max_tokens=2)
