@@ -46,6 +46,11 @@ class EventSplitter:
         return min(ends) if ends else None
 
 
+def has_data(event: bytes) -> bool:
+    """False for an event of comments alone (`: ping`)."""
+    return any(line.startswith(b"data:") for line in event.replace(b"\r\n", b"\n").split(b"\n"))
+
+
 def event_data(event: bytes) -> bytes:
     """The event's `data:` lines, joined as SSE joins them."""
     lines = event.replace(b"\r\n", b"\n").split(b"\n")

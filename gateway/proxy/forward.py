@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
-from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage
+from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.metrics import Usage
 from gateway.proxy.routing import Route
@@ -115,10 +115,13 @@ class Forwarder:
                 release()
 
     async def _first_events(self, url: str, resp: httpx.Response, release: Release) -> Opened | None:
+        """The stream up to its first data event (a keep-alive comment before it commits nothing)."""
         chunks = resp.aiter_bytes()
         splitter = EventSplitter()
+        first: list[bytes] = []
         async for data in chunks:
-            if first := splitter.feed(data):
+            first += splitter.feed(data)
+            if any(has_data(event) for event in first):
                 return Opened(url, passed_headers(resp.headers, STREAM_HEADERS), resp, chunks, splitter, first,
                               release)
         return None

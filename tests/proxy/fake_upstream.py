@@ -52,6 +52,7 @@ class FakeUpstream:
     cached_tokens: int = 0
     hold: threading.Event | None = None  # when set: every request waits for it
     break_after: int | None = None  # stream: this many events, then the connection drops
+    ping_first: bool = False  # stream: a keep-alive comment before the first event
     app: FastAPI = field(init=False)
     base_url: str = field(init=False, default="")  # set once it runs
 
@@ -85,6 +86,8 @@ class FakeUpstream:
                                  "finish_reason": "stop", "logprobs": None}], "usage": self._usage()})
 
     async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        if self.ping_first:
+            yield b": ping\n\n"
         for sent, chunk in enumerate(self.chunks(body)):
             if sent == self.break_after:
                 raise RuntimeError("the fake upstream drops the connection mid-stream")

@@ -93,11 +93,11 @@ def test_a_stream_broken_before_its_first_event_is_retried_and_after_it_ends_wit
     home = home_of(upstreams, SYSTEM, TOOLS)
     other = next(u for u in upstreams if u is not home)
     with proxy(upstreams, upstream_down_s=0) as live:
-        home.break_after = 0  # headers, then nothing: nothing reached the client yet
+        home.break_after, home.ping_first = 0, True  # headers and a comment: no event reached the client yet
         retried = sse(post(live, body(stream=True)))
         assert retried[1]["choices"][0]["delta"]["content"] == f"from {other.name}" and retried[-1] == "[DONE]"
 
-        home.break_after = 1  # the first event reached the client: no retry, the stream ends with an error
+        home.break_after, home.ping_first = 1, False  # the first event reached the client: no retry, the stream ends with an error
         broken = sse(post(live, body(stream=True)))
         assert broken[0]["choices"][0]["delta"]["role"] == "assistant"
         assert broken[1]["error"]["code"] == "upstream_error" and broken[2] == "[DONE]" and len(broken) == 3

@@ -14,7 +14,7 @@ from adapters.base import ToolGroup
 from adapters.render import _split_system
 from gateway.errors import BadRequest
 from gateway.protocol import ChatCompletionRequest
-from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage
+from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
 from gateway.proxy.metrics import Usage
 from gateway.proxy.shaping import shape
 from gateway.settings import load_settings
@@ -135,6 +135,10 @@ def test_events_come_out_whole_and_byte_for_byte_whatever_the_chunking(size):
     events = [e for at in range(0, len(STREAM), size) for e in splitter.feed(STREAM[at:at + size])]
     assert b"".join(events) == STREAM and splitter.rest() == b""
     assert len(events) == 5
+
+
+def test_a_comment_is_no_data_event():
+    assert [has_data(e) for e in EventSplitter().feed(STREAM)] == [True, True, False, True, True]
 
 
 def test_an_upstream_that_never_ends_an_event_is_broken():
