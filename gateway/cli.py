@@ -77,6 +77,8 @@ def _app(settings: Settings) -> Any:
         from gateway.proxy.app import create_proxy_app
 
         logging.getLogger("gateway").info("proxy mode: forwarding to %s", ", ".join(settings.upstreams))
+        if settings.log_level != "debug":  # httpx logs every upstream call; a request's line is the proxy's own
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         return create_proxy_app(settings)
     from gateway.app import create_app
 

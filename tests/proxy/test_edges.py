@@ -97,7 +97,7 @@ def test_a_stream_broken_before_its_first_event_is_retried_and_after_it_ends_wit
         retried = sse(post(live, body(stream=True)))
         assert retried[1]["choices"][0]["delta"]["content"] == f"from {other.name}" and retried[-1] == "[DONE]"
 
-        home.break_after, home.ping_first = 1, False  # the first event reached the client: no retry, the stream ends with an error
+        home.break_after, home.ping_first = 1, False  # the first event reached the client: no retry, an error ends it
         broken = sse(post(live, body(stream=True)))
         assert broken[0]["choices"][0]["delta"]["role"] == "assistant"
         assert broken[1]["error"]["code"] == "upstream_error" and broken[2] == "[DONE]" and len(broken) == 3
