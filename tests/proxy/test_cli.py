@@ -31,10 +31,18 @@ def test_a_bad_upstream_stops_start_up_naming_it(url, words, capsys):
     assert "upstreams" in err and words in err
 
 
-def test_the_upstream_key_is_hidden_in_errors():
+def test_the_upstream_key_is_hidden_in_errors(tmp_path):
+    config = tmp_path / "proxy.toml"
+    config.write_text("upstream_api_key = 31415926\n")
     with pytest.raises(SettingsError) as exc:
-        load_settings(environ={"TOOLKV_UPSTREAM_API_KEY": "", "TOOLKV_UPSTREAM_CACHE_SALT": "sometimes"})
-    assert "upstream_cache_salt" in str(exc.value)
+        load_settings(config, environ={})
+    assert "upstream_api_key" in str(exc.value) and "<hidden>" in str(exc.value)
+    assert "31415926" not in str(exc.value)
+
+
+def test_a_bad_cache_salt_mode_is_named():
+    with pytest.raises(SettingsError, match="upstream_cache_salt"):
+        load_settings(environ={"TOOLKV_UPSTREAM_CACHE_SALT": "sometimes"})
 
 
 def test_proxy_mode_builds_without_importing_torch():
