@@ -24,7 +24,7 @@ from gateway.http_edge import CLIENT_CLOSED_REQUEST, GONE, install_error_handler
 from gateway.limits import BodySizeLimit
 from gateway.proxy import upstream_info
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import Answer, Forwarder, answer_usage
+from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage
 from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.proxy.shaping import PATHS, Forward, Kind, shape
@@ -125,8 +125,16 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
     state = request.app.state
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
     route = state.router.route(affinity_key(fwd.salt, fwd.group_id), state.pool.in_flight(), state.pool.down())
+    held = state.pool.acquire(route.order[0])  # at once: the next request routed counts this one
     forwarder: Forwarder = state.forwarder
-    result = await unless_disconnected(request, forwarder.open(fwd, route, upstream_headers(request), exchange))
+    opened: Opened | None = None
+    try:
+        work = forwarder.open(fwd, route, upstream_headers(request), exchange, held)
+        result = await unless_disconnected(request, work)
+        opened = result if isinstance(result, Opened) else None
+    finally:
+        if opened is None or opened.release is not held:  # else the relay gives it back
+            held()
     if result is GONE:
         exchange.finish(CLIENT_CLOSED_REQUEST)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -135,7 +143,8 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
             exchange.usage = answer_usage(fwd.kind, result)
         exchange.finish(result.status)
         return Response(result.content, status_code=result.status, headers=result.headers)
-    return RelayResponse(forwarder.relay(result, fwd, exchange, release), headers=result.headers)
+    assert opened is not None
+    return RelayResponse(forwarder.relay(opened, fwd, exchange, release), headers=opened.headers)
 
 
 def _hold(request: Request, tenant: Tenant) -> Release:

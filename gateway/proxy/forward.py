@@ -51,6 +51,7 @@ class Opened:
     chunks: AsyncIterator[bytes]
     splitter: EventSplitter
     first: list[bytes]
+    first_at: float  # perf_counter when the first data event arrived
     release: Release
 
 
@@ -67,14 +68,18 @@ class Forwarder:
         self.pool = pool
         self.metrics = pool.metrics
 
-    async def open(self, fwd: Forward, route: Route, headers: Mapping[str, str], exchange: Exchange) -> Answer | Opened:
+    async def open(self, fwd: Forward, route: Route, headers: Mapping[str, str], exchange: Exchange,
+                   held: Release) -> Answer | Opened:
         """The first upstream's answer, trying the next after each failure; 503 when none
-        answered, 502 when they answered with errors."""
+        answered, 502 when they answered with errors. `held` is the in-flight slot the caller
+        took on `route.order[0]` when it routed (so the next request routed sees it)."""
         failures: list[Failure] = []
         for attempt, url in enumerate(route.order):
             self.metrics.routed.labels(upstream=url, route="retry" if attempt else route.reason).inc()
             exchange.upstream, exchange.attempts = url, attempt + 1
-            result = await (self._open_stream(url, fwd, headers) if fwd.stream else self._post(url, fwd, headers))
+            release = held if attempt == 0 else self.pool.acquire(url)
+            attempt_on = self._open_stream if fwd.stream else self._post
+            result = await attempt_on(url, fwd, headers, release)
             if not isinstance(result, Failure):
                 self.pool.mark_up(url)
                 return result
@@ -84,8 +89,7 @@ class Forwarder:
             failures.append(result)
         raise no_upstream(failures)
 
-    async def _post(self, url: str, fwd: Forward, headers: Mapping[str, str]) -> Answer | Failure:
-        release = self.pool.acquire(url)
+    async def _post(self, url: str, fwd: Forward, headers: Mapping[str, str], release: Release) -> Answer | Failure:
         try:
             resp = await self.client.post(url + fwd.path, content=fwd.body, headers=dict(headers))
         except httpx.HTTPError as exc:
@@ -94,8 +98,8 @@ class Forwarder:
             release()
         return self._answer(url, resp, resp.content)
 
-    async def _open_stream(self, url: str, fwd: Forward, headers: Mapping[str, str]) -> Answer | Opened | Failure:
-        release = self.pool.acquire(url)
+    async def _open_stream(self, url: str, fwd: Forward, headers: Mapping[str, str],
+                           release: Release) -> Answer | Opened | Failure:
         resp: httpx.Response | None = None
         opened: Opened | None = None
         try:
@@ -123,7 +127,7 @@ class Forwarder:
             first += splitter.feed(data)
             if any(has_data(event) for event in first):
                 return Opened(url, passed_headers(resp.headers, STREAM_HEADERS), resp, chunks, splitter, first,
-                              release)
+                              time.perf_counter(), release)
         return None
 
     def _answer(self, url: str, resp: httpx.Response, content: bytes) -> Answer | Failure:
@@ -141,7 +145,7 @@ class Forwarder:
         """The stream's events as they arrive; the exchange is finished when it ends (499 when
         the client went away first)."""
         status = 499
-        exchange.first_event_at = time.perf_counter()
+        exchange.first_event_at = opened.first_at
         try:
             if head := self._kept(opened.first, fwd, exchange):
                 yield head

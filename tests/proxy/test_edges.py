@@ -88,6 +88,26 @@ def test_a_5xx_is_retried_on_the_other_upstream_and_a_4xx_is_passed_through(fake
         assert "status 502" in error["message"] and "127.0.0.1" not in error["message"]
 
 
+def test_concurrent_requests_of_a_hot_group_fill_its_home_to_the_bound_then_share(fakes):
+    """Four requests of one group at once, the bound at 2: two on its home, two on its second
+    upstream, whatever order they reach the proxy in (each is counted as it is routed)."""
+    arrivals, upstreams = fakes
+    hold = threading.Event()
+    for fake in upstreams:
+        fake.hold = hold
+    home = home_of(upstreams, SYSTEM, TOOLS)
+    with proxy(upstreams, upstream_max_in_flight=2) as live, ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(post, live, body()) for _ in range(4)]
+        landed = sorted(a.upstream for a in arrivals.wait_for(4))
+        hold.set()
+        assert [answer.result().status_code for answer in answers] == [200] * 4
+        assert landed == ["a", "a", "b", "b"]
+        samples = live.metrics()
+        assert metric(samples, "toolkv_upstream_routed_total", upstream=home.base_url, route="home") == 2
+        assert metric(samples, "toolkv_upstream_routed_total", route="spill") == 2
+        assert post(live, body()).json()["choices"][0]["message"]["content"] == f"from {home.name}"
+
+
 def test_a_stream_broken_before_its_first_event_is_retried_and_after_it_ends_with_an_error(fakes):
     arrivals, upstreams = fakes
     home = home_of(upstreams, SYSTEM, TOOLS)
