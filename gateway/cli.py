@@ -1,5 +1,5 @@
 """`toolkv` command line: `toolkv serve [--host] [--port] [--model] [--config FILE] [--cache-dir DIR]
-[--upstream URL[,URL...]]`."""
+[--upstream URL[,URL...]] [--replicas N [--ray-address ADDR]]`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir")
     serve.add_argument("--upstream", metavar="URL[,URL...]",
                        help="proxy mode: no local model; forward to these OpenAI-compatible servers")
+    serve.add_argument("--replicas", type=int, metavar="N",
+                       help="run N engine replicas on Ray Serve behind one ingress (needs the `ray` extra)")
+    serve.add_argument("--ray-address", help="an existing Ray cluster to join (default: RAY_ADDRESS, else a local one)")
     serve.set_defaults(func=_serve)
     cache_cli.register(sub)
     bench.register(sub)
@@ -46,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model,
-                                 "cache_dir": args.cache_dir}
+                                 "cache_dir": args.cache_dir, "replicas": getattr(args, "replicas", None),
+                                 "ray_address": getattr(args, "ray_address", None)}
     if getattr(args, "upstream", None):
         overrides["upstreams"] = tuple(url.strip() for url in args.upstream.split(",") if url.strip())
     return load_settings(config, overrides)
@@ -57,6 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except SettingsError as exc:
         raise CliError(str(exc)) from None
+    if settings.replicas > 1:
+        return _serve_on_ray(settings)
     if not settings.upstreams:
         _check_model_source(settings)
     configure_logging(settings)
@@ -69,6 +75,20 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("listening on %s: anyone who can reach it can use the model", settings.host)
     uvicorn.Server(server_config(_app(settings), settings)).run()
     return 0
+
+
+def _serve_on_ray(settings: Settings) -> int:
+    """`--replicas N`: N engine replicas on Ray Serve behind one ingress (gateway/serve_ray)."""
+    from gateway.serve_ray import require_ray
+
+    if settings.upstreams:
+        raise CliError("--replicas runs engines here; --upstream forwards to servers elsewhere: pick one")
+    require_ray()
+    _check_model_source(settings)
+    configure_logging(settings)
+    from gateway.serve_ray.launch import serve_replicas
+
+    return serve_replicas(settings)
 
 
 def _app(settings: Settings) -> Any:

@@ -92,6 +92,10 @@ class Settings(BaseModel):
     upstream_read_timeout_s: float = Field(600.0, gt=0)  # the longest wait for an upstream's next bytes
     upstream_down_s: float = Field(5.0, ge=0)  # an upstream that failed is tried last for this long
 
+    # Ray Serve mode (README, "Scaling out on Ray Serve"): engine replicas behind one ingress
+    replicas: int = Field(1, ge=1)  # > 1: run on Ray Serve (the `ray` extra)
+    ray_address: str | None = None  # an existing Ray cluster; unset: RAY_ADDRESS, else a local instance
+
     @field_validator("upstreams")
     @classmethod
     def _upstream_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:

@@ -37,11 +37,12 @@ log = logging.getLogger(__name__)
 BYPASS_HEADER = "x-toolkv-cache"  # passed on: a toolkv upstream honours it
 
 
-def create_proxy_app(settings: Settings) -> FastAPI:
-    """The app; `settings.upstreams` must name at least one upstream."""
+def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The app; `settings.upstreams` must name at least one upstream. `transport` replaces the
+    network (Ray Serve mode reaches its engine replicas through deployment handles)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.forwarder = Forwarder(upstream_client(settings), app.state.pool)
+        app.state.forwarder = Forwarder(upstream_client(settings, transport), app.state.pool)
         yield
         await app.state.forwarder.client.aclose()
         app.state.preparer.close()
@@ -65,11 +66,12 @@ def create_proxy_app(settings: Settings) -> FastAPI:
     return app
 
 
-def upstream_client(settings: Settings) -> httpx.AsyncClient:
+def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """One connection pool for every upstream; no environment proxies (the upstreams are named)."""
     timeout = httpx.Timeout(settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False,
+                             transport=transport)
 
 
 def _install_routes(app: FastAPI) -> None:

@@ -1,0 +1,129 @@
+"""The Ray Serve application: `engine-0` ... `engine-{N-1}`, one replica each, every one owning a
+model runtime and its KV pool (the model app, run in-process), and `ingress`, proxy mode's app
+whose upstreams are those deployments (reached through their handles, see transport.py).
+
+Why routing lives in the ingress and not in a Ray Serve `RequestRouter` (Ray 2.60 has the API,
+at alpha stability): affinity needs a name per replica that outlives it, and a `RequestRouter`
+picks among replicas of one deployment by replica ids that Ray draws anew when it restarts one;
+named one-replica deployments keep `engine-1` as `engine-1`, so a restart moves no group. The
+proxy app also counts a request on its replica the moment it routes it (requests arriving
+together see each other; Ray's router reads queue lengths it probes from time to time), and it
+already retries another replica before a stream's first event and reports hits and misses per
+replica; a second implementation of the same policy inside Ray's router would have to match it.
+The cost: Ray's autoscaling does not apply (`--replicas` is fixed).
+
+This module imports no torch: the ingress never loads a model."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+from starlette.types import ASGIApp
+
+from gateway.serve_ray.asgi_call import ResponseHead, call_asgi
+from gateway.settings import Settings, load_settings
+
+APP_NAME = "toolkv"
+ENGINE_PREFIX = "engine-"
+INGRESS_MAX_ONGOING = 1024  # Ray Serve's default (5) would cap the whole fleet at 5 requests
+
+
+def engine_name(index: int) -> str:
+    return f"{ENGINE_PREFIX}{index}"
+
+
+def replica_settings(settings: Settings) -> Settings:
+    """A replica is reached only through the ingress: any Host, no upstreams, and a per-key quota
+    the ingress already enforced (a replica would otherwise apply it a second time, per replica)."""
+    return Settings(**{**settings.model_dump(), "upstreams": (), "allowed_hosts": ("*",),
+                       "max_requests_per_key": settings.max_queue + settings.max_batch})
+
+
+def ingress_settings(settings: Settings, replicas: int) -> Settings:
+    upstreams = tuple(f"http://{engine_name(i)}" for i in range(replicas))
+    return Settings(**{**settings.model_dump(), "upstreams": upstreams, "upstream_api_key": None,
+                       "upstream_cache_salt": "off"})
+
+
+class EngineReplica:
+    """One model runtime: the model app, started here; the ingress calls `call` per request."""
+
+    async def __init__(self, settings_json: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray awaits it
+        from gateway.app import create_app
+        from gateway.metrics import Metrics
+        from gateway.runtime import Runtime, build_runtime
+
+        loaded: concurrent.futures.Future[Runtime] = concurrent.futures.Future()
+
+        def load(settings: Settings, metrics: Metrics) -> Runtime:
+            try:
+                runtime = build_runtime(settings, metrics)
+            except BaseException as exc:
+                loaded.set_exception(exc)
+                raise
+            loaded.set_result(runtime)
+            return runtime
+
+        self.app: FastAPI = create_app(replica_settings(Settings(**settings_json)), load)
+        self._lifespan: AbstractAsyncContextManager[Any] = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        await asyncio.wrap_future(loaded)  # ready only when the model is: a failed load fails the deployment
+
+    async def call(self, method: str, path: str, query: bytes, headers: Sequence[tuple[bytes, bytes]],
+                   body: bytes) -> AsyncIterator[ResponseHead | bytes]:
+        async for item in call_asgi(self.app, method, path, query, headers, body):
+            yield item
+
+    async def __del__(self) -> None:
+        await self._lifespan.__aexit__(None, None, None)  # stops the engine thread
+
+
+class Ingress:
+    """Proxy mode's app over the engine deployments' handles."""
+
+    def __init__(self, settings_json: dict[str, Any], *engines: Any) -> None:
+        self.settings = ingress_settings(Settings(**settings_json), len(engines))
+        self.handles = {engine_name(i): handle for i, handle in enumerate(engines)}
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        from gateway.proxy.app import create_proxy_app
+        from gateway.serve_ray.transport import ForwardClientKey, ReplicaTransport
+
+        return ForwardClientKey(create_proxy_app(self.settings, ReplicaTransport(self.handles)))
+
+
+# Plain classes above, wrapped here: mypy keeps a decorated class's own type (no `.options`/`.bind`).
+ENGINE_DEPLOYMENT: Any = serve.deployment(num_replicas=1)(EngineReplica)
+INGRESS_DEPLOYMENT: Any = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,
+                                           ray_actor_options={"num_cpus": 0})(serve.ingress()(Ingress))
+
+
+def build_application(settings: Settings, replicas: int, engine_num_cpus: float = 1.0) -> Application:
+    """The Serve application for `replicas` engines behind one ingress."""
+    if replicas < 1:
+        raise ValueError("replicas must be at least 1")
+    settings_json = settings.model_dump(mode="json")
+    max_ongoing = settings.max_batch + settings.max_queue
+    engines = [ENGINE_DEPLOYMENT.options(name=engine_name(i), max_ongoing_requests=max_ongoing,
+                                     ray_actor_options={"num_cpus": engine_num_cpus}).bind(settings_json)
+               for i in range(replicas)]
+    application: Application = INGRESS_DEPLOYMENT.bind(settings_json, *engines)
+    return application
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """For `serve run` / a Serve config file (`import_path: gateway.serve_ray.deployments:app_builder`):
+    `args` holds `replicas`, optionally `config` (a TOML file), `engine_num_cpus`, and any setting
+    by name; `TOOLKV_*` environment variables apply as for `toolkv serve`."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 2))
+    engine_num_cpus = float(args.pop("engine_num_cpus", 1.0))
+    settings = load_settings(args.pop("config", None), args)
+    return build_application(settings, replicas, engine_num_cpus)

@@ -1,0 +1,49 @@
+"""`toolkv serve --replicas N`: join the Ray cluster at `ray_address` (or `RAY_ADDRESS`), or start
+a local Ray instance sized for N engine replicas, run the Serve application on `host:port`, and
+keep it until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def serve_replicas(settings: Settings) -> int:
+    import ray
+    from ray import serve
+
+    from gateway.serve_ray.deployments import APP_NAME, build_application
+
+    address = settings.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:  # one logical CPU per engine (it runs torch), none for the ingress; no dashboard
+        ray.init(num_cpus=settings.replicas, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")
+        log.info("serving %d engine replicas on Ray Serve at http://%s:%d", settings.replicas, settings.host,
+                 settings.port)
+        _wait_for_stop()
+    finally:
+        if address:  # a shared cluster keeps its Serve instance and other applications
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _wait_for_stop() -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,95 @@
+"""`toolkv serve --replicas 2` on a real local Ray instance, through the `openai` SDK at the
+ingress: interleaved tool groups each compile once, on their home replica, and hit from then on
+(as on one replica; round robin would miss half the time); streams stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.proxy.routing import AffinityRouter, affinity_key
+from gateway.serve_ray.deployments import APP_NAME, engine_name
+from tests.proxy.conftest import group_id, messages, metric, tools_of
+from tests.ray.conftest import MODEL, REPLICAS
+
+pytest.importorskip("ray.serve")
+
+TOOLS = tools_of([("orders", 30), ("refunds", 12), ("inventory", 20), ("customers", 8)])
+SYSTEMS = [f"Shop {n} assistant. Answer briefly." for n in range(4)]
+ROUNDS = 4
+
+
+def client_for(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def samples(text: str) -> dict[str, float]:
+    lines = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in lines}
+
+
+def replica_metrics(index: int) -> dict[str, float]:
+    """A replica's own /metrics, asked through its deployment handle (replicas have no port)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(engine_name(index), app_name=APP_NAME)
+    parts = list(handle.options(stream=True).call.remote("GET", "/metrics", b"", [], b""))
+    return samples(b"".join(p for p in parts if isinstance(p, bytes)).decode())
+
+
+def home(system: str) -> str:
+    router = AffinityRouter([f"http://{engine_name(i)}" for i in range(REPLICAS)], 1)
+    return router.ranking(affinity_key("", group_id(system, TOOLS)))[0]
+
+
+def ask(client: openai.OpenAI, system: str, question: str, **extra: Any) -> Any:
+    fields: dict[str, Any] = {"tool_choice": "none", "temperature": 0, "max_tokens": 3, **extra}
+    return client.chat.completions.create(model=MODEL, messages=messages(system, question), tools=TOOLS, **fields)
+
+
+def test_interleaved_groups_compile_once_on_their_home_replica_and_hit_after(ingress_url):
+    client = client_for(ingress_url)
+    for turn in range(ROUNDS):
+        for system in SYSTEMS:
+            cached = ask(client, system, f"question {turn}").usage.prompt_tokens_details.cached_tokens
+            assert (cached > 0) == (turn > 0), (system, turn, cached)
+
+    ingress = samples(httpx.get(ingress_url + "/metrics", timeout=30).text)
+    assert metric(ingress, "toolkv_cache_lookups_total", result="miss") == len(SYSTEMS)
+    assert metric(ingress, "toolkv_cache_lookups_total", result="hit") == len(SYSTEMS) * (ROUNDS - 1)
+    for index in range(REPLICAS):
+        url = f"http://{engine_name(index)}"
+        homed = sum(home(system) == url for system in SYSTEMS)
+        own = replica_metrics(index)
+        assert metric(own, "toolkv_cache_lookups_total", result="miss") == homed, index  # compiles
+        assert metric(ingress, "toolkv_cache_lookups_total", result="miss", upstream=url) == homed
+    assert {home(system) for system in SYSTEMS} == {f"http://{engine_name(i)}" for i in range(REPLICAS)}
+
+
+def test_a_stream_arrives_in_chunks_with_its_usage(ingress_url):
+    client = client_for(ingress_url)
+    system = "Streaming shop assistant."
+    ask(client, system, "warm the group")
+    chunks = list(ask(client, system, "stream this", stream=True, max_tokens=6,
+                      stream_options={"include_usage": True}))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) >= 2  # several content chunks, not one body
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_a_stream_reaches_the_client_event_by_event(ingress_url):
+    """The ingress relays the replica's events as they are sent, not one body at the end."""
+    body = {"model": MODEL, "messages": messages("Relay shop assistant.", "count"), "tools": TOOLS,
+            "tool_choice": "none", "temperature": 0, "max_tokens": 24, "stream": True}
+    reads: list[bytes] = []
+    with httpx.stream("POST", ingress_url + "/v1/chat/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        reads.extend(resp.iter_raw())
+    assert len(reads) > 2, reads
+    assert reads[0].startswith(b"data: {") and b"[DONE]" not in reads[0]
+    assert reads[-1].endswith(b"data: [DONE]\n\n")
