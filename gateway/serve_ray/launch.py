@@ -13,6 +13,8 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_SLACK_S = 10.0  # beyond shutdown_grace_s, for Serve to stop its replicas
+
 
 def serve_replicas(settings: Settings) -> int:
     import ray
@@ -32,12 +34,25 @@ def serve_replicas(settings: Settings) -> int:
                  settings.port)
         _wait_for_stop()
     finally:
-        if address:  # a shared cluster keeps its Serve instance and other applications
-            serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
+        _stop_serving(shared=bool(address), deadline_s=settings.shutdown_grace_s + SHUTDOWN_SLACK_S)
         ray.shutdown()
     return 0
+
+
+def _stop_serving(shared: bool, deadline_s: float) -> None:
+    """Delete the application (a shared cluster keeps its Serve instance) or shut Serve down,
+    waiting at most `deadline_s`: a Ctrl-C also reaches a local instance's raylet, and Serve's
+    shutdown then waits for it forever."""
+    from ray import serve
+
+    from gateway.serve_ray.deployments import APP_NAME
+
+    stopper = threading.Thread(target=lambda: serve.delete(APP_NAME) if shared else serve.shutdown(),
+                               name="toolkv-serve-stop", daemon=True)
+    stopper.start()
+    stopper.join(deadline_s)
+    if stopper.is_alive():
+        log.warning("Ray Serve did not stop within %.0fs; stopping Ray", deadline_s)
 
 
 def _wait_for_stop() -> None:

@@ -308,3 +308,76 @@ def test_k8s_runs_as_the_images_user() -> None:
     useradd = next(a for op, a in _dockerfile("Dockerfile.cpu") if op == "RUN" and "useradd" in a)
     uid = int(re.search(r"--uid (\d+)", useradd).group(1))  # type: ignore[union-attr]
     assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == uid
+
+
+# ---- Ray Serve ---------------------------------------------------------------------------------------
+
+RAY = DEPLOY / "ray"
+POD_SHAPE_ARGS = {"engine_num_cpus", "ram_budget_bytes", "log_json"}  # what a Kubernetes pod decides
+
+
+def _rayservice() -> dict[str, Any]:
+    [service] = _yaml_docs(RAY / "rayservice.yaml")
+    return dict(service)
+
+
+def _ray_pin() -> str:
+    [pin] = [line.split("==")[1].strip() for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines()
+             if line.startswith("ray==")]
+    return pin
+
+
+def test_ray_serve_config_and_rayservice_run_the_same_application() -> None:
+    local = _yaml(RAY / "serve_config.yaml")
+    cluster = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])
+    [local_app], [cluster_app] = local["applications"], cluster["applications"]
+    assert local_app["import_path"] == "gateway.serve_ray.deployments:app_builder"
+    strip = lambda app: {**app, "args": {k: v for k, v in app["args"].items() if k not in POD_SHAPE_ARGS}}  # noqa: E731
+    assert strip(local_app) == strip(cluster_app)
+    assert local["http_options"] == cluster["http_options"]
+
+
+def test_rayservice_gives_each_engine_a_worker_pod_and_the_head_no_engine() -> None:
+    spec = _rayservice()["spec"]
+    [app] = yaml.safe_load(spec["serveConfigV2"])["applications"]
+    cluster = spec["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    [workers] = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == app["args"]["replicas"]
+    [worker] = workers["template"]["spec"]["containers"]
+    assert float(worker["resources"]["requests"]["cpu"]) == app["args"]["engine_num_cpus"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # the ingress takes no CPU; engines go to workers
+    [head_container] = head["template"]["spec"]["containers"]
+    port = yaml.safe_load(spec["serveConfigV2"])["http_options"]["port"]
+    assert {"name": "serve", "containerPort": port} in head_container["ports"]
+    assert head_container["image"] == worker["image"]
+    assert any(m["mountPath"] == app["args"]["cache_dir"] for m in worker["volumeMounts"])
+
+
+def test_ray_version_is_one_in_the_cluster_the_image_and_the_pins() -> None:
+    ray_args = dict(a.split("=", 1) for op, a in _dockerfile("ray/Dockerfile") if op == "ARG" and "=" in a)
+    assert _rayservice()["spec"]["rayClusterConfig"]["rayVersion"] == ray_args["RAY_VERSION"] == _ray_pin()
+
+
+def test_rayservice_pods_run_as_the_images_user() -> None:
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    useradd = next(a for op, a in _dockerfile("Dockerfile.cpu") if op == "RUN" and "useradd" in a)
+    uid = int(re.search(r"--uid (\d+)", useradd).group(1))  # type: ignore[union-attr]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        context = group["template"]["spec"]["securityContext"]
+        assert context["runAsUser"] == context["fsGroup"] == uid
+    assert ("USER", str(uid)) in _dockerfile("ray/Dockerfile")
+
+
+@pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice.yaml"])
+def test_ray_serve_accepts_the_config_and_builds_the_application(source: str) -> None:
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from gateway.serve_ray.deployments import app_builder
+
+    text = (RAY / source).read_text() if source == "serve_config.yaml" else _rayservice()["spec"]["serveConfigV2"]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    [app] = config.applications
+    assert isinstance(app_builder(dict(app.args)), Application)
