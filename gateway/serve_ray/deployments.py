@@ -94,9 +94,12 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from gateway.proxy.app import create_proxy_app
+        from gateway.serve_ray.fleet_view import install_fleet_view
         from gateway.serve_ray.transport import ForwardClientKey, ReplicaTransport
 
-        return ForwardClientKey(create_proxy_app(self.settings, ReplicaTransport(self.handles)))
+        app = create_proxy_app(self.settings, ReplicaTransport(self.handles))
+        install_fleet_view(app, self.settings.upstreams)
+        return ForwardClientKey(app)
 
 
 # Plain classes above, wrapped here: mypy keeps a decorated class's own type (no `.options`/`.bind`).

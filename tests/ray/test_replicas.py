@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray.deployments import APP_NAME, engine_name
@@ -57,16 +58,39 @@ def test_interleaved_groups_compile_once_on_their_home_replica_and_hit_after(ing
             cached = ask(client, system, f"question {turn}").usage.prompt_tokens_details.cached_tokens
             assert (cached > 0) == (turn > 0), (system, turn, cached)
 
-    ingress = samples(httpx.get(ingress_url + "/metrics", timeout=30).text)
-    assert metric(ingress, "toolkv_cache_lookups_total", result="miss") == len(SYSTEMS)
-    assert metric(ingress, "toolkv_cache_lookups_total", result="hit") == len(SYSTEMS) * (ROUNDS - 1)
+    fleet = samples(httpx.get(ingress_url + "/metrics", timeout=30).text)
+    assert metric(fleet, "toolkv_cache_lookups_total", result="miss") == len(SYSTEMS)  # the replicas' own
+    assert metric(fleet, "toolkv_cache_lookups_total", result="hit") == len(SYSTEMS) * (ROUNDS - 1)
+    assert metric(fleet, "toolkv_ingress_cache_lookups_total", result="miss") == len(SYSTEMS)  # as routed
     for index in range(REPLICAS):
-        url = f"http://{engine_name(index)}"
+        name, url = engine_name(index), f"http://{engine_name(index)}"
         homed = sum(home(system) == url for system in SYSTEMS)
         own = replica_metrics(index)
-        assert metric(own, "toolkv_cache_lookups_total", result="miss") == homed, index  # compiles
-        assert metric(ingress, "toolkv_cache_lookups_total", result="miss", upstream=url) == homed
+        assert metric(own, "toolkv_cache_lookups_total", result="miss") == homed, name  # its compiles
+        assert metric(fleet, "toolkv_cache_lookups_total", result="miss", replica=name) == homed, name
+        assert metric(fleet, "toolkv_ingress_cache_lookups_total", result="miss", upstream=url) == homed, name
     assert {home(system) for system in SYSTEMS} == {f"http://{engine_name(i)}" for i in range(REPLICAS)}
+
+
+def test_the_fleets_metrics_are_one_valid_exposition(ingress_url):
+    text = httpx.get(ingress_url + "/metrics", timeout=30).text
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))  # each family once, its lines together
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    replicas = {s.labels.get("replica") for s in families["toolkv_requests"].samples}
+    assert replicas == {engine_name(i) for i in range(REPLICAS)}
+    assert "toolkv_upstream_routed" in families and "toolkv_ingress_requests" in families
+
+
+def test_the_fleets_cache_lists_each_group_on_its_home_replica(ingress_url):
+    client = client_for(ingress_url)
+    for system in SYSTEMS:
+        ask(client, system, "cached?")
+    entries = httpx.get(ingress_url + "/v1/cache", timeout=30).json()["data"]
+    ram = {(entry["group_id"], entry["replica"]) for entry in entries if "ram" in entry["tiers"]}
+    for system in SYSTEMS:
+        assert [replica for group, replica in ram if group == group_id(system, TOOLS)] == \
+            [home(system).removeprefix("http://")], system
 
 
 def test_a_stream_arrives_in_chunks_with_its_usage(ingress_url):
