@@ -9,6 +9,13 @@ import importlib.util
 from gateway.cli_errors import CliError
 
 INSTALL_HINT = 'pip install -e ".[ray]"'
+APP_NAME = "toolkv"  # the Serve application
+ENGINE_PREFIX = "engine-"
+
+
+def engine_name(index: int) -> str:
+    """The deployment (and the ingress's upstream host) of engine replica `index`."""
+    return f"{ENGINE_PREFIX}{index}"
 
 
 def require_ray() -> None:

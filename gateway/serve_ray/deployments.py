@@ -27,16 +27,11 @@ from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp
 
+from gateway.serve_ray import engine_name
 from gateway.serve_ray.asgi_call import ResponseHead, call_asgi
 from gateway.settings import Settings, load_settings
 
-APP_NAME = "toolkv"
-ENGINE_PREFIX = "engine-"
 INGRESS_MAX_ONGOING = 1024  # Ray Serve's default (5) would cap the whole fleet at 5 requests
-
-
-def engine_name(index: int) -> str:
-    return f"{ENGINE_PREFIX}{index}"
 
 
 def replica_settings(settings: Settings) -> Settings:

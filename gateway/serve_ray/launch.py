@@ -20,7 +20,8 @@ def serve_replicas(settings: Settings) -> int:
     import ray
     from ray import serve
 
-    from gateway.serve_ray.deployments import APP_NAME, build_application
+    from gateway.serve_ray import APP_NAME
+    from gateway.serve_ray.deployments import build_application
 
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -45,7 +46,7 @@ def _stop_serving(shared: bool, deadline_s: float) -> None:
     shutdown then waits for it forever."""
     from ray import serve
 
-    from gateway.serve_ray.deployments import APP_NAME
+    from gateway.serve_ray import APP_NAME
 
     stopper = threading.Thread(target=lambda: serve.delete(APP_NAME) if shared else serve.shutdown(),
                                name="toolkv-serve-stop", daemon=True)

@@ -31,7 +31,8 @@ def ray_fleet(settings: Settings) -> Iterator[str]:
     """The application on a fresh local Ray instance; yields the ingress's base URL."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from gateway.serve_ray.deployments import APP_NAME, build_application
+    from gateway.serve_ray import APP_NAME
+    from gateway.serve_ray.deployments import build_application
 
     ray.init(num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
@@ -48,5 +49,7 @@ def ray_fleet(settings: Settings) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def ingress_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with ray_fleet(ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-cache"))) as base_url:
+    """The bound is 1 so that two streams of one group at once spread over both replicas."""
+    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-cache"), upstream_max_in_flight=1)
+    with ray_fleet(settings) as base_url:
         yield base_url

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.serve_ray.deployments import engine_name
+from gateway.serve_ray import engine_name
 from tests.proxy.conftest import metric
 from tests.ray.conftest import ray_fleet, ray_settings
 from tests.ray.test_replicas import SYSTEMS, ask, client_for, home, samples

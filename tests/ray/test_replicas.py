@@ -4,6 +4,7 @@ ingress: interleaved tool groups each compile once, on their home replica, and h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.proxy.routing import AffinityRouter, affinity_key
-from gateway.serve_ray.deployments import APP_NAME, engine_name
-from tests.proxy.conftest import group_id, messages, metric, tools_of
+from gateway.serve_ray import APP_NAME, engine_name
+from tests.proxy.conftest import group_id, messages, metric, tools_of, wait_for
 from tests.ray.conftest import MODEL, REPLICAS
 
 pytest.importorskip("ray.serve")
@@ -117,3 +118,33 @@ def test_a_stream_reaches_the_client_event_by_event(ingress_url):
     assert len(reads) > 2, reads
     assert reads[0].startswith(b"data: {") and b"[DONE]" not in reads[0]
     assert reads[-1].endswith(b"data: [DONE]\n\n")
+
+
+def first_event(resp: httpx.Response) -> Iterator[str]:
+    """Wait for the stream's first event; keep the returned lines while the stream should stay open."""
+    lines = resp.iter_lines()
+    assert next(line for line in lines if line.startswith("data: "))
+    return lines
+
+
+def fleet_metrics(base_url: str) -> dict[str, float]:
+    return samples(httpx.get(base_url + "/metrics", timeout=30).text)
+
+
+def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingress_url):
+    """Two streams of one group with the bound at 1: the second goes to the group's second replica;
+    both clients then hang up, which ends both generations on the replicas."""
+    body = {"model": MODEL, "messages": messages("You are very popular.", "Write a long story."), "tools": TOOLS,
+            "tool_choice": "none", "temperature": 0, "max_tokens": 3000, "stream": True}
+    spilled = metric(fleet_metrics(ingress_url), "toolkv_upstream_routed_total", route="spill")
+    url = ingress_url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as first:
+        first_lines = first_event(first)  # in flight on its home until the stream ends
+        with httpx.stream("POST", url, json=body, timeout=120) as second:
+            second_lines = first_event(second)
+            during = fleet_metrics(ingress_url)
+    del first_lines, second_lines
+    assert metric(during, "toolkv_upstream_routed_total", route="spill") == spilled + 1
+    assert [metric(during, "toolkv_requests_in_flight", replica=engine_name(i)) for i in range(REPLICAS)] == [1, 1]
+    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
+    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == 2)
