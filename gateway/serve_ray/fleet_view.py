@@ -3,7 +3,8 @@ series with a `replica` label (fleet totals are a `sum without (replica)` away, 
 written for one gateway keep working with `sum`), plus the ingress's own routing series; its
 request and cache series, which would otherwise be counted twice, are renamed `toolkv_ingress_*`.
 `GET /v1/cache` lists every replica's entries, each with its `replica` (an entry in a shared
-cache dir's disk tier is listed by every replica that can load it)."""
+cache dir's disk tier is listed by every replica that can load it); `POST /v1/cache/warm`
+compiles a group on the replica its requests will be routed to."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from adapters.base import ToolGroup, ToolSpec
 from gateway.proxy.app import upstream_headers
+from gateway.proxy.routing import affinity_key
 
 OWN_KEPT_PREFIXES = ("toolkv_upstream_", "process_")  # the ingress's series no replica has
 
@@ -46,6 +49,20 @@ def install_fleet_view(app: FastAPI, replicas: Sequence[str]) -> None:
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
             entries += [{**entry, "replica": _name(url)} for entry in orjson.loads(resp.content)["data"]]
         return JSONResponse({"object": "list", "data": entries})
+
+    @app.post("/v1/cache/warm")
+    async def warm(request: Request) -> Response:
+        state = request.app.state
+        tenant = state.keyring.admin(request)
+        body = await request.body()
+        group_id = _warm_group_id(body)
+        key = affinity_key(state.keyring.salt_for(tenant, group_id), group_id) if group_id else ""
+        home = state.router.route(key, state.pool.in_flight(), state.pool.down()).order[0]
+        client: httpx.AsyncClient = state.forwarder.client
+        resp = await client.post(home + "/v1/cache/warm", content=body, headers=upstream_headers(request))
+        if resp.status_code != 200:
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return JSONResponse({**orjson.loads(resp.content), "replica": _name(home)})
 
 
 class FleetCollector(Collector):
@@ -75,6 +92,18 @@ def _families(text: str) -> Iterable[Metric]:
     """Parsed families, less `_created` timestamps (the parser splits them off as untyped)."""
     return (family for family in text_string_to_metric_families(text)
             if not (family.type == "unknown" and family.name.endswith("_created")))
+
+
+def _warm_group_id(body: bytes) -> str:
+    """The group a warm body names, as a chat request with that system text and tools has it;
+    "" when the body is not one (the replica it goes to answers for it)."""
+    try:
+        data = orjson.loads(body or b"{}")
+        tools = [tool["function"] for tool in data.get("tools", [])]
+        specs = [ToolSpec(t["name"], t.get("description"), t.get("parameters")) for t in tools]
+        return ToolGroup.of(data.get("system"), specs).group_id
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+        return ""
 
 
 async def _replica_text(request: Request, url: str) -> str:

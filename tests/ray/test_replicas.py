@@ -148,3 +148,14 @@ def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingres
     assert [metric(during, "toolkv_requests_in_flight", replica=engine_name(i)) for i in range(REPLICAS)] == [1, 1]
     assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
     assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == 2)
+
+
+def test_warming_compiles_a_group_on_its_home_replica_only(ingress_url):
+    system = "Warmed shop assistant."
+    warmed = httpx.post(ingress_url + "/v1/cache/warm", json={"system": system, "tools": TOOLS}, timeout=120)
+    assert warmed.status_code == 200, warmed.text
+    assert warmed.json()["replica"] == home(system).removeprefix("http://")
+    entries = httpx.get(ingress_url + "/v1/cache", timeout=30).json()["data"]
+    in_ram = [e["replica"] for e in entries if e["group_id"] == group_id(system, TOOLS) and "ram" in e["tiers"]]
+    assert in_ram == [warmed.json()["replica"]]
+    assert ask(client_for(ingress_url), system, "first question").usage.prompt_tokens_details.cached_tokens > 0
