@@ -77,7 +77,9 @@ class EngineReplica:
             yield item
 
     async def __del__(self) -> None:
-        await self._lifespan.__aexit__(None, None, None)  # stops the engine thread
+        lifespan = getattr(self, "_lifespan", None)  # absent when __init__ failed before it
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)  # stops the engine thread
 
 
 class Ingress:

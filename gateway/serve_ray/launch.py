@@ -25,9 +25,9 @@ def serve_replicas(settings: Settings) -> int:
 
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address)
     else:  # one logical CPU per engine (it runs torch), none for the ingress; no dashboard
-        ray.init(num_cpus=settings.replicas, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=settings.replicas, include_dashboard=False)
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")

@@ -1,4 +1,5 @@
-"""Without the `ray` extra, `toolkv serve --replicas 2` stops with the command that installs it."""
+"""`toolkv serve --replicas` errors that need no Ray: without the `ray` extra it stops with the
+command that installs it; with `--upstream` it says to pick one."""
 
 from __future__ import annotations
 
@@ -16,3 +17,10 @@ def test_replicas_without_ray_names_the_extra_to_install():
     assert done.returncode == 2
     assert 'pip install -e ".[ray]"' in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_replicas_and_upstreams_together_are_refused(capsys):
+    from gateway.cli import main
+
+    assert main(["serve", "--replicas", "2", "--upstream", "http://127.0.0.1:9"]) == 2
+    assert "--replicas" in capsys.readouterr().err
