@@ -24,8 +24,8 @@ SYSTEMS = [f"Shop {n} assistant. Answer briefly." for n in range(4)]
 ROUNDS = 4
 
 
-def client_for(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def client_for(base_url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=300)
 
 
 def samples(text: str) -> dict[str, float]:
@@ -42,9 +42,9 @@ def replica_metrics(index: int) -> dict[str, float]:
     return samples(b"".join(p for p in parts if isinstance(p, bytes)).decode())
 
 
-def home(system: str) -> str:
+def home(system: str, salt: str = "") -> str:
     router = AffinityRouter([f"http://{engine_name(i)}" for i in range(REPLICAS)], 1)
-    return router.ranking(affinity_key("", group_id(system, TOOLS)))[0]
+    return router.ranking(affinity_key(salt, group_id(system, TOOLS)))[0]
 
 
 def ask(client: openai.OpenAI, system: str, question: str, **extra: Any) -> Any:
