@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -66,7 +67,9 @@ class EngineReplica:
             loaded.set_result(runtime)
             return runtime
 
-        self.app: FastAPI = create_app(replica_settings(Settings(**settings_json)), load)
+        settings = replica_settings(Settings(**settings_json))
+        configure_replica_logging(settings)
+        self.app: FastAPI = create_app(settings, load)
         self._lifespan: AbstractAsyncContextManager[Any] = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         await asyncio.wrap_future(loaded)  # ready only when the model is: a failed load fails the deployment
@@ -87,6 +90,7 @@ class Ingress:
 
     def __init__(self, settings_json: dict[str, Any], *engines: Any) -> None:
         self.settings = ingress_settings(Settings(**settings_json), len(engines))
+        configure_replica_logging(self.settings)
         self.handles = {engine_name(i): handle for i, handle in enumerate(engines)}
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -97,6 +101,17 @@ class Ingress:
         app = create_proxy_app(self.settings, ReplicaTransport(self.handles))
         install_fleet_view(app, self.settings.upstreams)
         return ForwardClientKey(app)
+
+
+def configure_replica_logging(settings: Settings) -> None:
+    """The gateway's own log format (JSON with `log_json`) and level in a Ray worker, so each
+    request's INFO line carries its fields as `toolkv serve` prints them; httpx's line per call
+    to a replica is left out unless debugging."""
+    from gateway.cli import configure_logging
+
+    configure_logging(settings)
+    if settings.log_level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # Plain classes above, wrapped here: mypy keeps a decorated class's own type (no `.options`/`.bind`).
