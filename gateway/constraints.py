@@ -184,6 +184,7 @@ class Grammars:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self._closers: tuple[torch.Tensor, ...] | None = None
         self.compiles = 0
 
     def _lltokenizer(self) -> Any:
@@ -194,9 +195,11 @@ class Grammars:
                                                            eos_token=self._eos or None)
         return self._tokenizer
 
-    def constraint(self, grammar: str, param: str, forced: Sequence[int] = ()) -> Constraint:
+    def constraint(self, grammar: str, param: str, forced: Sequence[int] = (),
+                   closing_from: int | None = None) -> Constraint:
         """A fresh matcher for `grammar`, having consumed `forced` (text the prompt already ends
-        with, as if generated). GrammarError (naming `param`) when it does not compile."""
+        with, as if generated); from its `closing_from`-th token on it steers to the nearest end
+        (see `Constraint`). GrammarError (naming `param`) when it does not compile."""
         with self._lock:
             template = self._compiled.get(grammar)
             if template is None:
@@ -208,9 +211,24 @@ class Grammars:
                 self._compiled.move_to_end(grammar)
             matcher = template.deep_copy()
         constraint = Constraint(matcher, self.vocab_size)
+        if closing_from is not None:
+            constraint.closing_from, constraint.closers = closing_from, self.closers()
         if forced:
             constraint.consume(list(forced))
         return constraint
+
+    def closers(self) -> tuple[torch.Tensor, ...]:
+        """Token sets a closing output prefers, best first (bool masks over the vocabulary), by the
+        first character a token writes: the end of the output; a quote (inside a string the only
+        allowed quote is its end; outside, a key or value must start anyway); a closing brace or
+        bracket; a comma. A token that merely contains them may be string content."""
+        if self._closers is None:
+            heads = [(self._hf.decode([i]).lstrip()[:1] if i < len(self._hf) else "") for i in range(self.vocab_size)]
+            ends = torch.zeros(self.vocab_size, dtype=torch.bool)
+            ends[[i for i in self._eos if i < self.vocab_size]] = True
+            starts = [torch.tensor([bool(h) and h in chars for h in heads]) for chars in ('"', "}]", ",")]
+            self._closers = (ends, *starts)
+        return self._closers
 
     def _compile(self, grammar: str, param: str) -> Any:
         import llguidance
@@ -234,10 +252,20 @@ def _first_line(matcher: Any) -> str:
 
 @dataclass(slots=True)
 class Constraint:
-    """One sequence's grammar state: masks its logits, then follows the token it sampled."""
+    """One sequence's grammar state: masks its logits, then follows the token it sampled.
+
+    Closing: from its `closing_from`-th generated token on (the last `constrained_reserve_tokens`
+    before `max_tokens`, at most a quarter of them), it keeps only the allowed tokens that end
+    something, when there are any (`Grammars.closers`: the output, a string, a container, a
+    value); the model still ranks them. A call or answer the model would have run past `max_tokens` (the default model
+    repeats itself inside strings) ends valid instead of being cut off; when the reserve is not
+    enough, it is cut as OpenAI cuts it (finish `length`)."""
 
     matcher: Any
     vocab_size: int
+    closing_from: int | None = None
+    closers: tuple[torch.Tensor, ...] = ()
+    generated: int = 0
     _bitmask: torch.Tensor | None = None
 
     def consume(self, tokens: list[int]) -> None:
@@ -256,7 +284,19 @@ class Constraint:
         masked = self._apply(logits.float().cpu().reshape(1, -1).clone())
         if not torch.isfinite(masked.max()):  # the model ruled out every allowed token (-inf logits):
             masked = self._apply(torch.zeros_like(masked))  # the grammar's choice, not an arbitrary one
+        if self.closing_from is not None and self.generated >= self.closing_from:
+            masked = self._closing(masked)
         return masked[0]
+
+    def _closing(self, masked: torch.Tensor) -> torch.Tensor:
+        allowed = torch.isfinite(masked[0, : self.vocab_size])
+        for tier in self.closers:
+            pick = allowed & tier
+            if bool(pick.any()):
+                out = torch.full_like(masked, float("-inf"))
+                out[0, : self.vocab_size] = torch.where(pick, masked[0, : self.vocab_size], out[0, : self.vocab_size])
+                return out
+        return masked
 
     def _apply(self, logits: torch.Tensor) -> torch.Tensor:
         import llguidance.torch as llt
@@ -269,6 +309,7 @@ class Constraint:
         return logits
 
     def accept(self, token: int) -> None:
+        self.generated += 1
         if not self.matcher.consume_token(token):
             raise ConstraintViolation(f"the grammar refused token {token}: {_first_line(self.matcher)}")
 

@@ -79,7 +79,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     max_batch=settings.max_batch)
     service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
-                          max_string_chars=settings.max_string_chars)
+                          max_string_chars=settings.max_string_chars,
+                          reserve_tokens=settings.constrained_reserve_tokens)
     # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py): set before any request.
     engine.turn_opening = turn_opening(tokenizer, service.renderer.template)
     engine.conversation_reuse = settings.conversation_reuse == "on"

@@ -80,7 +80,7 @@ class Outcome:
 class ChatService:
     def __init__(self, engine: Engine, tokenizer: Any, family: ChatFamily, model_name: str,
                  context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int,
-                 max_string_chars: int = 0) -> None:
+                 max_string_chars: int = 0, reserve_tokens: int = 0) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.family = family
@@ -101,6 +101,7 @@ class ChatService:
         self.grammars = Grammars(tokenizer, _vocab_size(engine, tokenizer), engine.eos_ids if engine else ())
         self.call_specials = _special_markers(tokenizer, family.call_markers, engine)
         self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
+        self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
         self.token_texts = TokenTexts(tokenizer, engine.special_ids if engine is not None else ())
         self.num_token_ids = _num_token_ids(engine, tokenizer)
 
@@ -137,7 +138,8 @@ class ChatService:
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
-        constraint = None if forced.complete else self._constraint(req, rendered.group.tools, tools_active, forced_ids)
+        constraint = None if forced.complete else self._constraint(req, rendered.group.tools, tools_active, forced_ids,
+                                                                   params.max_tokens)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names,
@@ -179,7 +181,7 @@ class ChatService:
         return ForcedCall(self.family.call_opening(name))
 
     def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
-                    forced_ids: list[int]) -> Constraint | None:
+                    forced_ids: list[int], max_tokens: int) -> Constraint | None:
         """The grammar this request's output must follow (gateway/constraints.py), having
         consumed the forced opening; None when the output is free text."""
         answer = req.response_format.answer_schema if req.response_format is not None else None
@@ -196,7 +198,9 @@ class ChatService:
         else:
             return None
         try:
-            return self.grammars.constraint(grammar, param, forced_ids)
+            # the reserve is at most a quarter of the budget, so a short answer is not all closing
+            closing = max_tokens - min(self.reserve_tokens, max_tokens // 4) if self.reserve_tokens else None
+            return self.grammars.constraint(grammar, param, forced_ids, closing)
         except GrammarError as exc:
             raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param)) from None
 

@@ -48,6 +48,9 @@ class Settings(BaseModel):
     # Constrained output (tool calls, response_format): the most characters a string the schema
     # leaves unbounded may hold (gateway/constraints.py); 0: no bound
     max_string_chars: int = Field(256, ge=0)
+    # ... and its last tokens before max_tokens steer it to its nearest valid end (0: off, cut as
+    # OpenAI cuts: finish "length")
+    constrained_reserve_tokens: int = Field(48, ge=0)
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine, beyond the running batch
     max_batch: int = Field(8, ge=1)  # sequences the engine runs at once (continuous batching)
     prefill_chunk_tokens: int = Field(128, ge=16)  # prompt tokens a step computes beside the decodes

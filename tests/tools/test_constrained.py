@@ -167,3 +167,23 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_it(family_server, extr
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] is not None and error["param"].startswith(param.split(".")[0])
+
+
+OPEN_ENDED = {"type": "function", "function": {
+    "name": "send_note", "description": "Send a note.",
+    "parameters": {"type": "object", "properties": {"to": {"type": "string"}, "body": {"type": "string"},
+                                                   "tags": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["to", "body", "tags"]}}}
+
+
+@pytest.mark.parametrize("setup", ["chatml", "llama3", "mistral"])
+def test_a_call_near_max_tokens_is_steered_to_a_valid_end(family_server, setup):
+    """Noise inside open-ended strings and arrays would run past max_tokens; the last quarter of the
+    budget (at most `constrained_reserve_tokens`) keeps only tokens that end something, so the call
+    ends valid within max_tokens instead of being cut off."""
+    live = family_server(setup)
+    choice = post(live, chat("Send a note to Ann.", tools=[OPEN_ENDED], max_tokens=80,
+                             tool_choice={"type": "function", "function": {"name": "send_note"}}))["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), OPEN_ENDED["function"]["parameters"])
