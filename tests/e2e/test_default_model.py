@@ -135,3 +135,63 @@ def test_an_airline_agents_turns_compute_only_their_new_messages_with_bypass_ide
         if number:
             assert cached == previous - GENERATION_PROMPT  # computed: only what this turn added
         previous = reused.usage.prompt_tokens
+
+
+def test_forced_and_structured_requests_are_always_valid_and_the_cache_never_changes_them(client, openai_schema):
+    """Issue 14's target on the real model: every `required` and named request is a call to a listed
+    tool whose arguments validate against its schema (before the grammar: about a third), streamed
+    or not; every structured answer validates; a hit equals a bypass with the grammar on."""
+    import json
+
+    import jsonschema
+
+    from gateway.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
+
+    tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+    def run(query: str, **extra):
+        return client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", tools=tools, temperature=0, max_tokens=160,
+            messages=[{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": query}], **extra)
+
+    def check(calls, names):
+        assert calls
+        for call in calls:
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+    for row in RETAIL_QUERIES[:4]:
+        named = {"type": "function", "function": {"name": row.expected_tool}}
+        for choice in ("required", named):
+            response = run(row.query, tool_choice=choice)
+            openai_schema("CreateChatCompletionResponse", response.model_dump(mode="json", exclude_unset=True))
+            assert response.choices[0].finish_reason == "tool_calls"
+            check(response.choices[0].message.tool_calls, schemas if choice == "required" else {row.expected_tool})
+    streamed = run(RETAIL_QUERIES[4].query, tool_choice="required", stream=True)
+    content, names, arguments = "", {}, {}
+    for chunk in streamed:
+        openai_schema("CreateChatCompletionStreamResponse", chunk.model_dump(mode="json", exclude_unset=True))
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for part in choice.delta.tool_calls or ():
+                if part.function.name:
+                    names[part.index] = part.function.name
+                arguments[part.index] = arguments.get(part.index, "") + (part.function.arguments or "")
+    assert content == "" and names
+    for index, name in names.items():
+        jsonschema.validate(json.loads(arguments[index]), schemas[name])
+
+    answer = {"type": "object", "properties": {"order_id": {"type": "string"},
+                                               "action": {"enum": ["cancel", "return", "exchange"]}},
+              "required": ["order_id", "action"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "intent", "schema": answer, "strict": True}}
+    query = "I want to return order #W2378156."
+    structured = [run(query, tool_choice="none", response_format=fmt, extra_headers=h) for h in
+                  (None, {"X-Toolkv-Cache": "bypass"})]
+    jsonschema.validate(json.loads(structured[0].choices[0].message.content), answer)
+    assert structured[0].choices[0].message.content == structured[1].choices[0].message.content
+    forced = [run(query, tool_choice="required", extra_headers=h) for h in (None, {"X-Toolkv-Cache": "bypass"})]
+    assert [c.function for c in forced[0].choices[0].message.tool_calls] == \
+        [c.function for c in forced[1].choices[0].message.tool_calls]
+    assert forced[0].usage.prompt_tokens_details.cached_tokens > 1000
