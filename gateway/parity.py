@@ -7,7 +7,10 @@ compared) — the goal is all of them — and the tool-selection accuracy of eac
 call's name against the tool the query needs. Exits 1 when any output differs.
 
 The built-in set is 20 queries for tau-bench's 16 retail tools; `--queries FILE` takes JSON lines
-`{"query": "...", "expected_tool": "..."}` for another tool file.
+`{"query": "...", "expected_tool": "...", "response_format": {...}}` (the last optional) for another
+tool file. Constrained decoding is compared too: `--tool-choice required` forces a call, `named`
+names each query's expected tool, and `--response-format` sends the structured-output rows of the
+bench (gateway/bench/bfcl.py: json_schema and json_object) with the tools in the prompt.
 """
 
 from __future__ import annotations
@@ -22,46 +25,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TOOLS_FILE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "retail_16_tools.json"
-DEFAULT_SYSTEM = ("You are a customer service agent for an online retail store. Help the user with "
-                  "their orders, returns, exchanges and account, using the tools when they are needed.")
+from gateway.bench.bfcl import RETAIL_QUESTIONS, RETAIL_SYSTEM, SCHEMA_ROWS, WORKLOADS
+
+DEFAULT_TOOLS_FILE = WORKLOADS / "retail_16_tools.json"
+DEFAULT_SYSTEM = RETAIL_SYSTEM
 BYPASS_HEADERS = {"X-Toolkv-Cache": "bypass"}
+TOOL_CHOICES = ("auto", "none", "required", "named")
 
 
 @dataclass(frozen=True, slots=True)
 class Query:
     query: str
-    expected_tool: str
+    expected_tool: str | None = None  # None: a structured-output query, no tool expected
+    response_format: dict[str, Any] | None = None
 
 
-RETAIL_QUERIES = tuple(Query(q, t) for q, t in (
-    ("My email is noah.brown7@example.com, can you find my account?", "find_user_id_by_email"),
-    ("I'm Yusuf Rossi and my zip code is 19122. Please look up my user id.", "find_user_id_by_name_zip"),
-    ("What's the status of my order #W2378156?", "get_order_details"),
-    ("Show me the profile and the orders of user yusuf_rossi_9620.", "get_user_details"),
-    ("What kinds of products do you sell?", "list_all_product_types"),
-    ("What options and prices are available for product 6086499569?", "get_product_details"),
-    ("Please cancel my pending order #W5918442, I ordered it by mistake.", "cancel_pending_order"),
-    ("I want to return item 4068787148 from my delivered order #W7273336, refund to credit_card_9513926.",
-     "return_delivered_order_items"),
-    ("Exchange item 2768401027 in delivered order #W6390527 for item 7533802601, paying with paypal_4238515.",
-     "exchange_delivered_order_items"),
-    ("Ship pending order #W4860251 to 445 Maple Drive, Suite 394, Fort Worth, TX, USA 76165 instead.",
-     "modify_pending_order_address"),
-    ("In pending order #W1092119 swap item 8470360507 for item 5339029584, using gift_card_7245904.",
-     "modify_pending_order_items"),
-    ("Please charge paypal_3024827 instead of my card for pending order #W3823200.",
-     "modify_pending_order_payment"),
-    ("Change the default address of user mei_kovacs_8020 to 317 Elm Street, Apt 2, Denver, CO, USA 80202.",
-     "modify_user_address"),
-    ("What is 149.99 * 3 - 20?", "calculate"),
-    ("I want to talk to a real person, not a bot.", "transfer_to_human_agents"),
-    ("Find the user whose email is sofia.rossi2645@example.com.", "find_user_id_by_email"),
-    ("Has my order #W9711842 shipped yet?", "get_order_details"),
-    ("Which variants of product 9523456873 are in stock?", "get_product_details"),
-    ("Cancel order #W8665881, I no longer need it.", "cancel_pending_order"),
-    ("Add up 45.50 + 19.99 + 7.25 for me.", "calculate"),
-))
+RETAIL_QUERIES = tuple(Query(q, t) for q, t in RETAIL_QUESTIONS)
+STRUCTURED_QUERIES = tuple(Query(row.question, response_format=row.response_format) for row in SCHEMA_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +73,9 @@ class Answer:
 class Report:
     model: str
     tool_choice: str = "auto"
+    response_format: bool = False  # the queries carry a response_format (structured output)
     num_queries: int = 0
+    with_tool: int = 0  # queries that expect a tool (the accuracies' denominator)
     identical: int = 0
     correct_cached: int = 0
     correct_bypass: int = 0
@@ -103,18 +85,20 @@ class Report:
     def add(self, query: Query, cached: Answer, bypass: Answer) -> None:
         self.num_queries += 1
         self.identical += cached.output == bypass.output
-        self.correct_cached += cached.first_tool == query.expected_tool
-        self.correct_bypass += bypass.first_tool == query.expected_tool
+        self.with_tool += query.expected_tool is not None
+        self.correct_cached += query.expected_tool is not None and cached.first_tool == query.expected_tool
+        self.correct_bypass += query.expected_tool is not None and bypass.first_tool == query.expected_tool
         self.cache_hits += cached.cached_tokens > 0
         if cached.output != bypass.output:
             self.differing.append({"query": query.query, "cached": cached.output, "bypass": bypass.output})
 
     def lines(self) -> list[str]:
-        n = self.num_queries
-        accuracy = f"cache {_share(self.correct_cached, n)}, bypass {_share(self.correct_bypass, n)}"
-        summary = [f"model {self.model}, {n} queries at temperature 0, tool_choice {self.tool_choice}",
+        n, m = self.num_queries, self.with_tool
+        accuracy = f"cache {_share(self.correct_cached, m)}, bypass {_share(self.correct_bypass, m)}"
+        structured = ", with response_format" if self.response_format else ""
+        summary = [f"model {self.model}, {n} queries at temperature 0, tool_choice {self.tool_choice}{structured}",
                    f"identical outputs (cache vs bypass): {self.identical}/{n}",
-                   f"tool-selection accuracy: {accuracy}",
+                   f"tool-selection accuracy: {accuracy}" if m else "tool-selection accuracy: no tool expected",
                    f"served from the cache: {self.cache_hits}/{n} (cached_tokens > 0)"]
         return summary + [f"DIFFERS: {d['query']!r}\n  cache:  {d['cached']}\n  bypass: {d['bypass']}"
                           for d in self.differing]
@@ -146,23 +130,41 @@ class ParityClient:
 
 def run_parity(client: ParityClient, model: str, tools: list[dict[str, Any]], system: str,
                queries: Iterable[Query], max_tokens: int, tool_choice: str = "auto") -> Report:
-    report = Report(model, tool_choice)
+    queries = list(queries)
+    report = Report(model, tool_choice, response_format=any(q.response_format for q in queries))
     for query in queries:
-        body = {"model": model, "messages": [{"role": "system", "content": system},
-                                             {"role": "user", "content": query.query}],
-                "tools": tools, "tool_choice": tool_choice, "temperature": 0, "max_tokens": max_tokens}
+        body = request_body(model, tools, system, query, max_tokens, tool_choice)
         report.add(query, client.chat(body, bypass=False), client.chat(body, bypass=True))
     return report
 
 
-def load_queries(path: str | None, tool_names: set[str]) -> list[Query]:
-    """The queries (the built-in set when `path` is None); each must expect a tool in the file."""
-    if path is None:
+def request_body(model: str, tools: list[dict[str, Any]], system: str, query: Query, max_tokens: int,
+                 tool_choice: str) -> dict[str, Any]:
+    """The request for `query`; `named` names its expected tool."""
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        if query.expected_tool is None:
+            raise ValueError("--tool-choice named needs queries that expect a tool (not --response-format)")
+        choice = {"type": "function", "function": {"name": query.expected_tool}}
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": query.query}]
+    body = {"model": model, "messages": messages, "tools": tools, "tool_choice": choice, "temperature": 0,
+            "max_tokens": max_tokens}
+    if query.response_format is not None:
+        body["response_format"] = query.response_format
+    return body
+
+
+def load_queries(path: str | None, tool_names: set[str], structured: bool = False) -> list[Query]:
+    """The queries (the built-in retail set when `path` is None, or the structured-output rows);
+    each that expects a tool must expect one in the file."""
+    if structured:
+        queries = list(STRUCTURED_QUERIES)
+    elif path is None:
         queries = list(RETAIL_QUERIES)
     else:
         lines = Path(path).read_text().splitlines()
         queries = [Query(**json.loads(line)) for line in lines if line.strip()]
-    missing = sorted({q.expected_tool for q in queries} - tool_names)
+    missing = sorted({q.expected_tool for q in queries if q.expected_tool is not None} - tool_names)
     if missing:
         raise ValueError(f"expected tools not in the tools file: {', '.join(missing)} "
                          "(pass --queries for another tool file)")
@@ -176,10 +178,15 @@ def register(sub: Any) -> None:
     cmd.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' when the server needs one")
     cmd.add_argument("--model", help="the model id to send (default: the server's first model)")
     cmd.add_argument("--tools", default=str(DEFAULT_TOOLS_FILE), help="a JSON list of OpenAI tools")
-    cmd.add_argument("--queries", help='JSON lines {"query", "expected_tool"} (default: the built-in retail set)')
+    cmd.add_argument("--queries", help='JSON lines {"query", "expected_tool", "response_format"} (the last '
+                                       'optional; default: the built-in retail set)')
     cmd.add_argument("--system", default=DEFAULT_SYSTEM, help="the system prompt")
-    cmd.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
-                     help="'required' forces a call, so accuracy measures the choice of tool alone")
+    cmd.add_argument("--tool-choice", choices=TOOL_CHOICES, default="auto",
+                     help="'required' forces a call, so accuracy measures the choice of tool alone; 'named' "
+                          "names each query's expected tool (both decode under a grammar)")
+    cmd.add_argument("--response-format", action="store_true",
+                     help="send the bench's structured-output rows (json_schema and json_object, "
+                          "gateway/bench/bfcl.py) instead of the tool queries, the tools still in the prompt")
     cmd.add_argument("--max-tokens", type=int, default=64)
     cmd.add_argument("--limit", type=int, help="run only the first N queries")
     cmd.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -190,7 +197,8 @@ def register(sub: Any) -> None:
 def _parity(args: argparse.Namespace) -> int:
     try:
         tools = json.loads(Path(args.tools).read_text())
-        queries = load_queries(args.queries, {t["function"]["name"] for t in tools})[: args.limit]
+        queries = load_queries(args.queries, {t["function"]["name"] for t in tools},
+                               args.response_format)[: args.limit]
         client = ParityClient(args.base_url, args.api_key, args.timeout)
         report = run_parity(client, args.model or client.model(), tools, args.system, queries, args.max_tokens,
                             args.tool_choice)

@@ -1,9 +1,10 @@
 """`toolkv bench`: TTFT, latency and cache hit measurements through the real HTTP API.
 
-workload, trajectories and history (what is sent) -> client (one timed streaming request) ->
+workload, trajectories, history and bfcl (what is sent) -> client (one timed request) ->
 scenarios (single, toolcount, interleaved, restart, concurrent, compile-overlap, soak, agent,
-history) -> floor (the in-process limit) -> report, agent_report and history_report (numbers,
-JSON, tables) and plots; command runs them, options is the command line.
+history; constrained in constrained.py, whose answers validity.py checks) -> floor (the in-process
+limit) -> report, agent_report, history_report and constrained_report (numbers, JSON, tables) and
+plots; command runs them, options is the command line.
 """
 
 from gateway.bench.options import register

@@ -144,8 +144,10 @@ class BenchClient:
         root = self.base_url if self.base_url.endswith("/v1") else self.base_url + "/v1"
         return root + path
 
-    async def chat(self, body: dict[str, Any], sample: Sample, on_sent: Callable[[], None] | None = None) -> Sample:
+    async def chat(self, body: dict[str, Any], sample: Sample, on_sent: Callable[[], None] | None = None,
+                   on_chunk: Callable[[dict[str, Any]], None] | None = None) -> Sample:
         """Send one streaming request; fill in `sample`'s timings and usage. Raises ContextTooLong.
+        `on_chunk` sees every parsed chunk (to assemble the message, as an SDK does).
 
         The clock starts when the request's first byte goes to the socket (httpcore's trace), so
         the client library's own work before that (~3-5 ms for httpx on a slow CPU) is reported
@@ -174,7 +176,7 @@ class BenchClient:
                 if resp.status_code != 200:
                     _raise_for_body(resp.status_code, (await resp.aread()).decode(errors="replace"))
                 sample.server_timing_ms = parse_server_timing(resp.headers.get("server-timing"))
-                await self._read_stream(resp, sample, wire[0])
+                await self._read_stream(resp, sample, wire[0], on_chunk)
         except httpx.HTTPError as exc:
             sample.error = f"{type(exc).__name__}: {exc}"
         except _ServerError as exc:
@@ -185,7 +187,32 @@ class BenchClient:
         sample.total_s = time.perf_counter() - wire[0]
         return sample
 
-    async def _read_stream(self, resp: httpx.Response, sample: Sample, started: float) -> None:
+    async def complete(self, body: dict[str, Any], sample: Sample) -> dict[str, Any] | None:
+        """Send one request without streaming; fill in `sample`'s total time and usage and return
+        the response (None on an error, which `sample.error` says). Raises ContextTooLong."""
+        started = time.perf_counter()
+        sample.started_s = started - self.clock_zero
+        headers = BYPASS_HEADERS if sample.bypass else None
+        try:
+            resp = await self._http.post(self.api_url("/chat/completions"), json=body, headers=headers)
+            if resp.status_code != 200:
+                _raise_for_body(resp.status_code, resp.text)
+            response: dict[str, Any] = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            sample.error = f"{type(exc).__name__}: {exc}"
+            return None
+        except _ServerError as exc:
+            sample.error = str(exc)
+            return None
+        finally:
+            sample.total_s = time.perf_counter() - started
+        sample.server_timing_ms = parse_server_timing(resp.headers.get("server-timing"))
+        if response.get("usage"):
+            _take_usage(sample, response["usage"])
+        return response
+
+    async def _read_stream(self, resp: httpx.Response, sample: Sample, started: float,
+                           on_chunk: Callable[[dict[str, Any]], None] | None = None) -> None:
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -197,6 +224,8 @@ class BenchClient:
             chunk = json.loads(data)
             if "error" in chunk:
                 raise _ServerError(f"error in stream: {chunk['error'].get('message')}")
+            if on_chunk is not None:
+                on_chunk(chunk)
             if _has_token(chunk):
                 sample.token_chunks += 1
                 if sample.ttft_s is None:

@@ -21,8 +21,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from gateway.bench.bfcl import RowsError
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
+from gateway.bench.constrained import ConstrainedRows, load_rows
 from gateway.bench.floor import FloorProbe, FloorResult, measure_floor
+from gateway.bench.options import ONLY_WHEN_NAMED
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
@@ -35,23 +38,26 @@ FLOOR_QUESTIONS = 5
 
 def run(args: argparse.Namespace) -> int:
     console, progress_console = Console(), Console(stderr=True)
-    names = args.scenario or [n for n in SCENARIOS if (n != "restart" or args.spawn) and n != "history"]
+    names = args.scenario or [n for n in SCENARIOS if (n != "restart" or args.spawn) and n not in ONLY_WHEN_NAMED]
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
         trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
                         if "agent" in names else None)
-    except (WorkloadError, ValueError) as exc:
+        rows = load_rows(quick_set=args.quick, bounded=args.bounded) if "constrained" in names else None
+    except (WorkloadError, RowsError, ValueError) as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 2
     if trajectories is not None:
         plan = dataclasses.replace(plan, agent_turns=trajectories.num_turns)
+    if rows is not None:
+        plan = dataclasses.replace(plan, constrained_requests=rows.num_requests)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir, own_cache = _cache_dir(args)
     started = time.perf_counter()
     try:
         results, floors, floor_skipped, meta = asyncio.run(
-            _run_http(args, names, plan, catalog, trajectories, out_dir, cache_dir, progress_console))
+            _run_http(args, names, plan, catalog, (trajectories, rows), out_dir, cache_dir, progress_console))
     except ServerFailed as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 1
@@ -78,7 +84,9 @@ def _plan(args: argparse.Namespace) -> Plan:
                                                  ("agent_max_tokens", args.agent_max_tokens),
                                                  ("history_tokens", args.history_tokens),
                                                  ("history_window", args.history_window),
-                                                 ("history_turns", args.history_turns)) if v is not None}
+                                                 ("history_turns", args.history_turns),
+                                                 ("constrained_max_tokens", args.constrained_max_tokens))
+                                 if v is not None}
     if args.tool_counts:
         changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
     if args.clients:
@@ -86,11 +94,12 @@ def _plan(args: argparse.Namespace) -> Plan:
     plan = dataclasses.replace(plan, **changes)
     if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
            plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools, plan.conversations,
-           plan.agent_max_tokens, plan.history_tokens, plan.history_window, plan.history_turns) < 1:
+           plan.agent_max_tokens, plan.history_tokens, plan.history_window, plan.history_turns,
+           plan.constrained_max_tokens) < 1:
         raise ValueError("--tools, --requests, --groups, --clients, --tool-counts, --requests-per-client, "
                          "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations, "
-                         "--agent-max-tokens, --history-tokens, --history-window and --history-turns "
-                         "must be at least 1")
+                         "--agent-max-tokens, --history-tokens, --history-window, --history-turns and "
+                         "--constrained-max-tokens must be at least 1")
     return plan
 
 
@@ -111,7 +120,8 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, catalog: list[dict[str, Any]],
-                    trajectories: Trajectories | None, out_dir: Path, cache_dir: Path | None, console: Console
+                    loaded: tuple[Trajectories | None, ConstrainedRows | None], out_dir: Path, cache_dir: Path | None,
+                    console: Console
                     ) -> tuple[list[ScenarioResult], dict[int, FloorResult], str | None, dict[str, Any]]:
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
                            config=args.config) if cache_dir is not None else None
@@ -126,7 +136,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
         workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
-        results = await _run_scenarios(names, client, workload, plan, trajectories, server, console)
+        results = await _run_scenarios(names, client, workload, plan, loaded, server, console)
         floors, floor_skipped = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
@@ -136,7 +146,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
 
 
 async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
-                         trajectories: Trajectories | None, server: SpawnedServer | None,
+                         loaded: tuple[Trajectories | None, ConstrainedRows | None], server: SpawnedServer | None,
                          console: Console) -> list[ScenarioResult]:
     total = sum(SCENARIOS[n].planned(plan) for n in names)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -147,8 +157,7 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
             ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
             progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
-        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n),
-                      trajectories)
+        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n), *loaded)
         results, done = [], 0
         for name in names:
             progress.update(task, description=f"{name:<15}")
@@ -219,7 +228,7 @@ def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dic
     """One group per size that had hits on a group starting at tool 0: label -> tools."""
     by_size: dict[int, str] = {}
     for result in results:
-        if result.name in ("agent", "history"):  # not the catalog's groups and questions
+        if result.name in ("agent", "history", "constrained"):  # not the catalog's groups and questions
             continue
         for s in result.samples:
             if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:

@@ -12,7 +12,8 @@ from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJEC
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
 SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
-                  "history")
+                  "history", "constrained")
+ONLY_WHEN_NAMED = ("history", "constrained")
 
 
 def register(sub: Any) -> None:
@@ -28,8 +29,8 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="the model id to request (default: the first of GET /v1/models); "
                                     "with --spawn, also what the server loads")
     p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
-                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, which runs only "
-                        "when named; restart only with --spawn)")
+                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history and constrained, which "
+                        "run only when named; restart only with --spawn)")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
     p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")
@@ -63,6 +64,12 @@ def register(sub: Any) -> None:
                         "random (default 16)")
     p.add_argument("--history-turns", type=int,
                    help="turns per history conversation, each adding a user message of ~300 tokens (default 8)")
+    p.add_argument("--constrained-max-tokens", type=int,
+                   help="max_tokens of the constrained scenario's requests; an answer it cuts is a failure "
+                        "(default 512)")
+    p.add_argument("--bounded", action="store_true",
+                   help="constrained scenario, for random-weight test models: bound every open string, list and "
+                        "number of the schemas, one call per answer, no json_object rows")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
     p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
                    help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "

@@ -1,8 +1,8 @@
 """Numbers from samples: p50/p95 per class (miss, hit, bypass), speedup = miss p50 / hit p50,
 the floor and a hit's overhead above it; per concurrency case hit TTFT and aggregate output
 tokens/s, and the ratios against one client and against hits alone; the agent scenario's rows (in
-agent_report) and the history scenario's (in history_report); the issues' targets; the JSON
-report and the tables."""
+agent_report), the history scenario's (in history_report) and the constrained scenario's (in
+constrained_report); the issues' targets; the JSON report and the tables."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ from rich.table import Table
 
 from gateway.bench.agent_report import agent_lines, agent_stats, agent_table, agent_target
 from gateway.bench.client import Sample
+from gateway.bench.constrained_report import (
+    constrained_lines,
+    constrained_stats,
+    constrained_table,
+    constrained_targets,
+)
 from gateway.bench.floor import FloorResult
 from gateway.bench.history_report import history_lines, history_stats, history_target
 from gateway.bench.scenarios import ScenarioResult
@@ -117,6 +123,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(agent_stats(result.samples))
     elif result.name == "history":  # about memory too
         out.update(history_stats(result.samples))
+    elif result.name == "constrained":  # about validity and the grammar's cost
+        out.update(constrained_stats(result.samples, result.details))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
         out["errors"] = sum(1 for s in result.samples if s.cache == "error")
     else:
@@ -225,6 +233,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "rss_flat_over_soak": None if growth is None or not first else growth <= TARGET_RSS_GROWTH * first,
         "agent_computes_only_new_messages": agent_target(scenarios.get("agent", {})),
         "history_rss_flat": history_target(scenarios.get("history", {})),
+        **constrained_targets(scenarios.get("constrained", {})),
     }
 
 
@@ -259,13 +268,16 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     agent = report["scenarios"].get("agent")
     if agent and not agent.get("skipped"):
         console.print(agent_table(agent))
+    constrained = report["scenarios"].get("constrained")
+    if constrained and not constrained.get("skipped"):
+        console.print(constrained_table(constrained))
     for line in _extra_lines(report):
         console.print(line)
 
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
 # Reported on lines of their own, not in the main table.
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history")
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained")
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -353,6 +365,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
         lines += agent_lines(s["agent"])
     if "history" in s and not s["history"].get("skipped"):
         lines += history_lines(s["history"])
+    if "constrained" in s and not s["constrained"].get("skipped"):
+        lines += constrained_lines(s["constrained"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

@@ -1,4 +1,4 @@
-"""The nine scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The ten scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
@@ -10,6 +10,8 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
 8 agent            tau-bench conversations replayed turn by turn, each turn the whole conversation so far
 9 history          a million tokens of synthetic conversations through the KV pool; the server's RSS every 10%
+10 constrained     BFCL-style rows with forced calls and structured outputs: validity, and the grammar's cost
+                   per token against decode's (constrained.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.bench.client import BenchClient, ContextTooLong, Expected, Sample
+from gateway.bench.constrained import ConstrainedRows, run_constrained
 from gateway.bench.history import (
     HistoryChats,
     approx_prompt_tokens,
@@ -64,6 +67,8 @@ class Plan:
     history_words: int = 300  # words per user message (~310 tokens)
     history_tools: int = 5
     history_max_tokens: int = 4
+    constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
+    constrained_requests: int = 0  # requests the constrained scenario sends, once its rows are loaded
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
@@ -87,6 +92,7 @@ class Context:
     on_sample: Callable[[Sample], None]
     on_skip: Callable[[int], None]  # planned requests that will not be sent
     trajectories: Trajectories | None = None  # the agent scenario's conversations
+    rows: ConstrainedRows | None = None  # the constrained scenario's rows
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
                    max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
@@ -421,5 +427,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("agent", run_agent, lambda p: p.agent_turns),
     Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
                                                                  turns=p.history_turns, words=p.history_words)),
+    Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

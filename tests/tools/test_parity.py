@@ -1,5 +1,6 @@
 """`toolkv parity` against a live tiny-model server: accuracy means nothing for a random model,
-but through the cache and through the bypass its outputs must be identical, every time."""
+but through the cache and through the bypass its outputs must be identical, every time, with
+constrained decoding on too (forced and named calls, structured outputs)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import pytest
 
 from gateway.cli import main
-from gateway.parity import RETAIL_QUERIES, Answer, Query, Report
+from gateway.parity import RETAIL_QUERIES, STRUCTURED_QUERIES, Answer, Query, Report
 from tests.conftest import WORKLOADS
 
 RETAIL_TOOLS = WORKLOADS / "retail_16_tools.json"
 
 
-@pytest.mark.parametrize("setup, tool_choice", [("chatml", "auto"), ("llama3", "auto"), ("mistral", "required")])
+@pytest.mark.parametrize("setup, tool_choice", [("chatml", "auto"), ("llama3", "auto"), ("mistral", "required"),
+                                               ("chatml", "required"), ("chatml", "named"), ("llama3", "named")])
 def test_parity_reports_every_output_identical(family_server, setup, tool_choice, capsys):
     live = family_server(setup)
     code = main(["parity", "--base-url", live.api_url, "--tools", str(RETAIL_TOOLS), "--limit", "5",
@@ -25,6 +27,24 @@ def test_parity_reports_every_output_identical(family_server, setup, tool_choice
     assert report["cache_hits"] >= 4  # the first query may compute the tool group
     assert (report["model"], report["tool_choice"]) == (f"tiny-{setup}", tool_choice)
     assert report["differing"] == []
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto"])
+def test_parity_with_response_format_reports_every_structured_output_identical(family_server, tool_choice, capsys):
+    code = main(["parity", "--base-url", family_server("chatml").api_url, "--tools", str(RETAIL_TOOLS),
+                 "--response-format", "--tool-choice", tool_choice, "--max-tokens", "8", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["num_queries"] == report["identical"] == len(STRUCTURED_QUERIES)
+    assert report["response_format"] is True and report["with_tool"] == 0
+    assert report["cache_hits"] >= len(STRUCTURED_QUERIES) - 1
+
+
+def test_named_tool_choice_needs_queries_that_expect_a_tool(capsys):
+    code = main(["parity", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--response-format",
+                 "--tool-choice", "named"])
+    assert code == 2
+    assert "--tool-choice named needs queries that expect a tool" in capsys.readouterr().err
 
 
 def test_parity_text_report_names_both_accuracies(family_server, capsys):
