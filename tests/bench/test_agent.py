@@ -123,7 +123,7 @@ def test_agent_plot_is_a_png(run):
 def test_tools_in_system_adds_the_same_tokens_per_turn(live_8k, run, tmp_path):
     """Written into the system message, the tools and tool turns tokenize as toolkv renders them from
     `tools`: every turn adds the same tokens (the run id in the system message differs between runs,
-    so whole prompts may differ by a token or two). Two conversations: each starts its own deltas."""
+    so whole prompts may differ by up to five tokens). Two conversations: each starts its own deltas."""
     data, _ = bench(live_8k.base_url, tmp_path, "--tools-in-system", "--conversations", "2",
                     "--agent-max-tokens", "2")
     rows = data["scenarios"]["agent"]["turns"]
@@ -131,7 +131,8 @@ def test_tools_in_system_adds_the_same_tokens_per_turn(live_8k, run, tmp_path):
     assert data["options"]["tools_in_system"] is True and data["scenarios"]["agent"]["errors"] == 0
     assert [r["conversation"] for r in rows] == ["task 0.0"] * len(first) + ["task 2.0"] * len(recorded_turns(2, 0))
     assert [r["new_tokens"] for r in rows[:len(first)]] == [r["new_tokens"] for r in first]
-    assert abs(rows[0]["prompt_tokens"] - first[0]["prompt_tokens"]) <= 2
+    # the runs' ids (8 random hex digits) tokenize to 2-7 tokens (measured over 2,000 ids)
+    assert abs(rows[0]["prompt_tokens"] - first[0]["prompt_tokens"]) <= 5
     assert [r["first_turn"] for r in rows].count(True) == 2 and rows[len(first)]["new_tokens"] is None
     assert data["scenarios"]["agent"]["summary"]["turns"] == len(rows) - 2
 
