@@ -126,7 +126,8 @@ def _regex_literal(text: str) -> str:
 
 def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, only: str | None = None,
                  parallel: bool = True, answer_schema: dict[str, Any] | None = None,
-                 specials: dict[str, int] | None = None, max_string: int = 0) -> str:
+                 specials: dict[str, int] | None = None, max_string: int = 0,
+                 free_tokens: Sequence[int] = ()) -> str:
     """Lark for a tool-using turn's output (see the module doc); `only` names the one callable
     tool, `answer_schema` replaces free text in `"auto"` mode by a JSON answer."""
     specials = specials or {}
@@ -149,17 +150,27 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
         lines.insert(0, f"start: answer | {_lit(syntax.head, specials)} {tail}")
         lines.append(f"answer: {json_rule(answer_schema, max_string)}")
     elif syntax.leading_only:  # text that does not open with a call, or calls
-        lines.insert(0, f"start: PLAIN | {_lit(syntax.head, specials)} {tail}")
-        lines.append(r"PLAIN: /(.|\n)*/ & ~/\s*" + _regex_literal(syntax.trigger) + r"(.|\n)*/")
-    elif syntax.trigger in specials:  # the opening is one special token: text cannot contain it
-        lines.insert(0, f"start: PLAIN | PLAIN? {_lit(syntax.head, specials)} {tail}")
+        lines.insert(0, f"start: free | {_lit(syntax.head, specials)} {tail}")
+        lines.append(r"LEAD: /(.|\n)+/ & ~/\s*" + _regex_literal(syntax.trigger) + r"(.|\n)*/")
         lines.append(r"PLAIN: /(.|\n)+/")
+        lines.append("free: ((LEAD | special) (PLAIN | special)*)?")
+    elif syntax.trigger in specials:  # the opening is one special token: text cannot contain it
+        lines.insert(0, f"start: free | free {_lit(syntax.head, specials)} {tail}")
+        lines.append(r"PLAIN: /(.|\n)+/")
+        lines.append("free: (PLAIN | special)*")
     else:  # text without the opening; or text up to the opening (lazily: the first one), then calls
         rest = syntax.head[len(syntax.trigger):]
-        lines.insert(0, f"start: PLAIN | pre {_lit(rest, specials) if rest else ''} {tail}")
+        lines.insert(0, f"start: free | pre {_lit(rest, specials) if rest else ''} {tail}")
         trigger = _regex_literal(syntax.trigger)
-        lines.append(r"PLAIN: /(.|\n)*/ & ~/(.|\n)*" + trigger + r"(.|\n)*/")
+        lines.append(r"PLAIN: /(.|\n)+/ & ~/(.|\n)*" + trigger + r"(.|\n)*/")
+        lines.append("free: (PLAIN | special)*")
         lines.append(r"pre[lazy]: /(.|\n)*" + trigger + "/")
+    if mode == "auto" and answer_schema is None:
+        # Free text is the model's own: special tokens it writes there (other than the end and a
+        # call's opening) stay allowed, so "auto" text is what it would be without the grammar.
+        marker_ids = set(specials.values())
+        ids = sorted(t for t in free_tokens if t not in marker_ids)
+        lines.append("special: " + (" | ".join(f"<[{t}]>" for t in ids) if ids else '""'))
     return "\n".join(lines) + "\n"
 
 

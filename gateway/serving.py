@@ -102,6 +102,8 @@ class ChatService:
         self.call_specials = _special_markers(tokenizer, family.call_markers, engine)
         self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
         self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
+        # special tokens "auto" free text may hold, as without a grammar (not the end of the output)
+        self.free_specials = tuple(sorted(engine.special_ids - engine.eos_ids)) if engine is not None else ()
         self.token_texts = TokenTexts(tokenizer, engine.special_ids if engine is not None else ())
         self.num_token_ids = _num_token_ids(engine, tokenizer)
 
@@ -185,13 +187,14 @@ class ChatService:
         """The grammar this request's output must follow (gateway/constraints.py), having
         consumed the forced opening; None when the output is free text."""
         answer = req.response_format.answer_schema if req.response_format is not None else None
+        mode: Mode = "auto"
         if tools_active:
             only = _forced_name(req, list(tools))
-            mode: Mode = "required" if req.tool_choice == "required" or only is not None else "auto"
+            mode = "required" if req.tool_choice == "required" or only is not None else "auto"
             grammar = tool_grammar(self.family.call_syntax(), tools, mode=mode, only=only,
                                    parallel=req.parallel_tool_calls is not False,
                                    answer_schema=answer, specials=self.call_specials,
-                                   max_string=self.max_string_chars)
+                                   max_string=self.max_string_chars, free_tokens=self.free_specials)
             param = "tools"
         elif answer is not None:
             grammar, param = json_grammar(answer, self.max_string_chars), "response_format"
@@ -199,7 +202,10 @@ class ChatService:
             return None
         try:
             # the reserve is at most a quarter of the budget, so a short answer is not all closing
-            closing = max_tokens - min(self.reserve_tokens, max_tokens // 4) if self.reserve_tokens else None
+            # ... and never in "auto" free text: steering would end the model's own answer early
+            free_text = tools_active and mode == "auto" and answer is None
+            closing = (max_tokens - min(self.reserve_tokens, max_tokens // 4)
+                       if self.reserve_tokens and not free_text else None)
             return self.grammars.constraint(grammar, param, forced_ids, closing)
         except GrammarError as exc:
             raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param)) from None
