@@ -150,10 +150,8 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
         lines.insert(0, f"start: answer | {_lit(syntax.head, specials)} {tail}")
         lines.append(f"answer: {json_rule(answer_schema, max_string)}")
     elif syntax.leading_only:  # text that does not open with a call, or calls
-        lines.insert(0, f"start: free | {_lit(syntax.head, specials)} {tail}")
-        lines.append(r"LEAD: /(.|\n)+/ & ~/\s*" + _regex_literal(syntax.trigger) + r"(.|\n)*/")
-        lines.append(r"PLAIN: /(.|\n)+/")
-        lines.append("free: ((LEAD | special) (PLAIN | special)*)?")
+        lines.insert(0, f"start: PLAIN | {_lit(syntax.head, specials)} {tail}")
+        lines.append(r"PLAIN: /(.|\n)*/ & ~/\s*" + _regex_literal(syntax.trigger) + r"(.|\n)*/")
     elif syntax.trigger in specials:  # the opening is one special token: text cannot contain it
         lines.insert(0, f"start: free | free {_lit(syntax.head, specials)} {tail}")
         lines.append(r"PLAIN: /(.|\n)+/")
@@ -165,7 +163,7 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
         lines.append(r"PLAIN: /(.|\n)+/ & ~/(.|\n)*" + trigger + r"(.|\n)*/")
         lines.append("free: (PLAIN | special)*")
         lines.append(r"pre[lazy]: /(.|\n)*" + trigger + "/")
-    if mode == "auto" and answer_schema is None:
+    if mode == "auto" and answer_schema is None and not syntax.leading_only:
         # Free text is the model's own: special tokens it writes there (other than the end and a
         # call's opening) stay allowed, so "auto" text is what it would be without the grammar.
         marker_ids = set(specials.values())
