@@ -26,8 +26,10 @@ def serve_replicas(settings: Settings) -> int:
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:  # one logical CPU per engine (it runs torch), none for the ingress; no dashboard
-        ray.init(num_cpus=settings.replicas, include_dashboard=False)
+    else:  # one logical CPU per engine (it runs torch), none for the ingress; no dashboard.
+        # "local", not None: with no address Ray joins the cluster named in
+        # /tmp/ray/ray_current_cluster, which a stopped `ray start --head` leaves behind.
+        ray.init(address="local", num_cpus=settings.replicas, include_dashboard=False)
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")

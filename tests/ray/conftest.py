@@ -34,7 +34,8 @@ def ray_fleet(settings: Settings) -> Iterator[str]:
     from gateway.serve_ray import APP_NAME
     from gateway.serve_ray.deployments import build_application
 
-    ray.init(num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False,
+    # address="local": never the (possibly dead) cluster a past `ray start --head` recorded in /tmp/ray
+    ray.init(address="local", num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
