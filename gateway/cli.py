@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, metavar="N",
                        help="run N engine replicas on Ray Serve behind one ingress (needs the `ray` extra)")
     serve.add_argument("--ray-address", help="an existing Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+    serve.add_argument("--upstream-routing", choices=("affinity", "round_robin"),
+                       help="affinity (default): each tool group to its home upstream/replica; round_robin: "
+                            "in turn, whatever the group (a plain load balancer, for comparison)")
+    serve.add_argument("--replica-cache", choices=("shared", "separate"),
+                       help="with --replicas: one cache dir for all (default) or cache-dir/engine-i each")
     serve.set_defaults(func=_serve)
     cache_cli.register(sub)
     bench.register(sub)
@@ -50,7 +55,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model,
                                  "cache_dir": args.cache_dir, "replicas": getattr(args, "replicas", None),
-                                 "ray_address": getattr(args, "ray_address", None)}
+                                 "ray_address": getattr(args, "ray_address", None),
+                                 "upstream_routing": getattr(args, "upstream_routing", None),
+                                 "replica_cache": getattr(args, "replica_cache", None)}
     if getattr(args, "upstream", None):
         overrides["upstreams"] = tuple(url.strip() for url in args.upstream.split(",") if url.strip())
     return load_settings(config, overrides)

@@ -94,10 +94,17 @@ class Settings(BaseModel):
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0)  # the longest wait for an upstream's next bytes
     upstream_down_s: float = Field(5.0, ge=0)  # an upstream that failed is tried last for this long
+    upstream_probe_s: float = Field(2.0, ge=0)  # every upstream's /health this often (0: only on failures)
+    # affinity: a group goes to its home upstream (README, "Routing"); round_robin: the next one in
+    # turn, whatever the group (a plain load balancer, kept as the bench's baseline)
+    upstream_routing: Literal["affinity", "round_robin"] = "affinity"
 
     # Ray Serve mode (README, "Scaling out on Ray Serve"): engine replicas behind one ingress
     replicas: int = Field(1, ge=1)  # > 1: run on Ray Serve (the `ray` extra)
     ray_address: str | None = None  # an existing Ray cluster; unset: RAY_ADDRESS, else a local instance
+    # shared: every replica uses cache_dir (replicas on one node load each other's groups from disk);
+    # separate: replica i uses cache_dir/engine-i (as N independent servers would)
+    replica_cache: Literal["shared", "separate"] = "shared"
 
     @field_validator("upstreams")
     @classmethod

@@ -5,6 +5,8 @@ the app owns hangs on `app.state`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -26,7 +28,7 @@ from gateway.proxy import upstream_info
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage
 from gateway.proxy.metrics import ProxyMetrics
-from gateway.proxy.routing import AffinityRouter, affinity_key
+from gateway.proxy.routing import affinity_key, make_router
 from gateway.proxy.shaping import PATHS, Forward, Kind, shape
 from gateway.proxy.streaming import RelayResponse
 from gateway.proxy.upstreams import Release, UpstreamPool
@@ -43,7 +45,13 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.forwarder = Forwarder(upstream_client(settings, transport), app.state.pool)
+        watch = (asyncio.create_task(upstream_info.watch(app.state, settings.upstream_probe_s))
+                 if settings.upstream_probe_s > 0 else None)
         yield
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         await app.state.forwarder.client.aclose()
         app.state.preparer.close()
 
@@ -55,7 +63,7 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     state.quota = TenantQuota(settings.max_requests_per_key)
     state.preparer = Preparer(max_pending=settings.max_queue)
     state.pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, state.metrics)
-    state.router = AffinityRouter(settings.upstreams, settings.upstream_max_in_flight)
+    state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,

@@ -13,6 +13,7 @@ which then hold its prefix, instead of over all of them."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -23,8 +24,8 @@ class Route:
     """The upstreams to try, in order: `order[0]` first, the next after a failure."""
 
     order: tuple[str, ...]
-    reason: Literal["home", "spill", "failover"]  # why order[0]: the key's home, its home over the
-    # bound (order[0] is the second choice), or its home believed down
+    reason: Literal["home", "spill", "failover", "turn"]  # why order[0]: the key's home, its home over
+    # the bound (order[0] is the second choice), its home believed down, or round robin's turn
 
 
 class AffinityRouter:
@@ -51,6 +52,32 @@ class AffinityRouter:
     def _spills(self, home: str, second: str, in_flight: Mapping[str, int]) -> bool:
         home_load = in_flight.get(home, 0)
         return home_load >= self.max_in_flight and in_flight.get(second, 0) < home_load
+
+
+class RoundRobinRouter:
+    """A plain load balancer, whatever the group: each request to the next upstream in turn (those
+    believed down last). Not for production: the bench's baseline, showing what affinity saves."""
+
+    def __init__(self, upstreams: Sequence[str]) -> None:
+        if not upstreams:
+            raise ValueError("a router needs at least one upstream")
+        self.upstreams = tuple(upstreams)
+        self._turn = itertools.count()
+
+    def ranking(self, key: str) -> tuple[str, ...]:
+        return self.upstreams
+
+    def route(self, key: str, in_flight: Mapping[str, int], down: Collection[str] = ()) -> Route:
+        start = next(self._turn) % len(self.upstreams)
+        turned = self.upstreams[start:] + self.upstreams[:start]
+        return Route(tuple([u for u in turned if u not in down] + [u for u in turned if u in down]), "turn")
+
+
+Router = AffinityRouter | RoundRobinRouter
+
+
+def make_router(upstreams: Sequence[str], routing: Literal["affinity", "round_robin"], max_in_flight: int) -> Router:
+    return RoundRobinRouter(upstreams) if routing == "round_robin" else AffinityRouter(upstreams, max_in_flight)
 
 
 def weight(key: str, upstream: str) -> int:

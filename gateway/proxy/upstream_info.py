@@ -1,15 +1,19 @@
 """What the proxy asks of every upstream at once: `/health` (their reachability, which also
-marks them up or down for routing) and `/v1/models` (the union of their lists)."""
+marks them up or down for routing; on every `GET /health` and every `upstream_probe_s` in the
+background) and `/v1/models` (the union of their lists)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
 
 from gateway.errors import BadGateway, UpstreamUnavailable
 from gateway.proxy.upstreams import UpstreamPool
+
+log = logging.getLogger(__name__)
 
 UNAVAILABLE = ("loading", "failed")  # a toolkv upstream's /health while it cannot serve
 
@@ -23,6 +27,17 @@ async def probe_all(state: Any) -> list[dict[str, Any]]:
         (pool.mark_up if status == "ok" else pool.mark_down)(url)
     return [{"url": url, "status": status, "in_flight": in_flight[url]}
             for url, status in zip(pool.urls, statuses, strict=True)]
+
+
+async def watch(state: Any, period_s: float) -> None:
+    """Probe every upstream each `period_s` until cancelled, so that one which stopped answering is
+    routed around before a request finds out (and one back in service gets its groups back)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await probe_all(state)
+        except Exception:  # a probe round that broke must not end the watch
+            log.exception("probing the upstreams failed")
 
 
 async def probe(state: Any, url: str) -> str:

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -40,6 +41,15 @@ def replica_settings(settings: Settings) -> Settings:
     the ingress already enforced (a replica would otherwise apply it a second time, per replica)."""
     return Settings(**{**settings.model_dump(), "upstreams": (), "allowed_hosts": ("*",),
                        "max_requests_per_key": settings.max_queue + settings.max_batch})
+
+
+def engine_settings_json(settings: Settings, index: int) -> dict[str, Any]:
+    """Replica `index`'s settings: the fleet's, with its own cache subdirectory when `replica_cache`
+    is `separate`."""
+    own = settings.model_dump(mode="json")
+    if settings.replica_cache == "separate":
+        own["cache_dir"] = str(Path(settings.cache_dir) / engine_name(index))
+    return own
 
 
 def ingress_settings(settings: Settings, replicas: int) -> Settings:
@@ -127,8 +137,8 @@ def build_application(settings: Settings, replicas: int, engine_num_cpus: float 
     settings_json = settings.model_dump(mode="json")
     max_ongoing = settings.max_batch + settings.max_queue
     engines = [ENGINE_DEPLOYMENT.options(name=engine_name(i), max_ongoing_requests=max_ongoing,
-                                     ray_actor_options={"num_cpus": engine_num_cpus}).bind(settings_json)
-               for i in range(replicas)]
+                                     ray_actor_options={"num_cpus": engine_num_cpus})
+               .bind(engine_settings_json(settings, i)) for i in range(replicas)]
     application: Application = INGRESS_DEPLOYMENT.bind(settings_json, *engines)
     return application
 

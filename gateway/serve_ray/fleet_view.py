@@ -115,8 +115,11 @@ async def _replica_text(request: Request, url: str) -> str:
 
 
 async def _get(request: Request, url: str) -> httpx.Response:
+    """A replica's quick answer, bounded like a probe: a replica that is gone (Ray holds calls to
+    it until its replacement runs) must not hold up the fleet's view."""
     client: httpx.AsyncClient = request.app.state.forwarder.client
-    return await client.get(url, headers=upstream_headers(request))
+    timeout = request.app.state.settings.upstream_connect_timeout_s
+    return await client.get(url, headers=upstream_headers(request), timeout=timeout)
 
 
 def _name(url: str) -> str:

@@ -6,10 +6,16 @@ serves a fleet of engine replicas unchanged. `http://engine-3/v1/...` goes to th
 With API keys the proxy never passes a client's key upstream; here the replicas are the same
 gateway, so the client's `Authorization` goes with the request (`ForwardClientKey` keeps it for
 the request's task) and each replica derives the same tenant, salt and cache namespace as a
-single gateway would."""
+single gateway would.
+
+httpx enforces its timeouts only on its own network, so this transport applies the request's read
+timeout itself, to the answer's head and to each chunk after it: a probe (`/health`, with
+`upstream_connect_timeout_s`) of a replica that is gone (Ray holds calls to a deployment with no
+running replica until one starts) times out, and the ingress routes its groups elsewhere meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -52,7 +58,10 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         call = handle.options(stream=True).call.remote(request.method, request.url.path, request.url.query,
                                                        _headers(request), await request.aread())
         try:
-            head = await call.__anext__()
+            head = await asyncio.wait_for(call.__anext__(), read_timeout(request))
+        except TimeoutError as exc:  # e.g. no replica of that name is running (Ray holds the call meanwhile)
+            call.cancel()
+            raise httpx.ReadTimeout(f"replica {request.url.host} did not answer in time", request=request) from exc
         except Exception as exc:  # the replica died, is unavailable or the call failed: retried elsewhere
             call.cancel()
             raise httpx.ConnectError(f"replica {request.url.host}: {type(exc).__name__}", request=request) from exc
@@ -69,14 +78,29 @@ class ReplicaStream(httpx.AsyncByteStream):
         self._request = request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        timeout = read_timeout(self._request)
         try:
-            async for chunk in self._call:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(self._call.__anext__(), timeout)
+                except StopAsyncIteration:
+                    return
                 yield chunk
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout("a replica's stream stalled", request=self._request) from exc
         except Exception as exc:  # the replica died mid-answer: a broken stream to the proxy
             raise httpx.ReadError(f"replica stream broke: {type(exc).__name__}", request=self._request) from exc
 
     async def aclose(self) -> None:
         self._call.cancel()  # the replica sees a disconnect and stops generating
+
+
+def read_timeout(request: httpx.Request) -> float | None:
+    """The request's httpx read timeout (the longest wait for the next bytes): the client's
+    `upstream_read_timeout_s`, or a probe's shorter one; httpx applies it only to its own network."""
+    timeouts = request.extensions.get("timeout", {})
+    read = timeouts.get("read") if isinstance(timeouts, dict) else None
+    return float(read) if read is not None else None
 
 
 def _headers(request: httpx.Request) -> list[tuple[bytes, bytes]]:

@@ -111,7 +111,8 @@ def upstream_settings(tiny_model_dir: Callable[..., Path], tmp_path_factory: pyt
 
 @contextmanager
 def proxy(upstreams: list[Any], **overrides: Any) -> Iterator[Running]:
-    settings = load_settings(overrides={"upstreams": tuple(u.base_url for u in upstreams), **overrides},
+    settings = load_settings(overrides={"upstreams": tuple(u.base_url for u in upstreams), "upstream_probe_s": 0,
+                                        **overrides},
                              environ={})
     with running(create_proxy_app(settings)) as live:
         yield live

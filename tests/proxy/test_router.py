@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.proxy.routing import AffinityRouter, affinity_key
+from gateway.proxy.routing import AffinityRouter, affinity_key, make_router
 
 URLS = tuple(f"http://10.0.0.{n}:8000" for n in range(1, 6))
 KEYS = [affinity_key(f"tenant{n % 3}", f"tg_{n:016x}") for n in range(4000)]
@@ -90,3 +90,12 @@ def test_tenants_route_the_same_group_independently():
 def test_a_router_needs_an_upstream():
     with pytest.raises(ValueError, match="at least one upstream"):
         AffinityRouter((), max_in_flight=1)
+
+
+def test_round_robin_takes_turns_whatever_the_group_and_puts_the_down_last():
+    router = make_router(URLS[:3], "round_robin", max_in_flight=4)
+    firsts = [router.route(KEYS[0], {}).order[0] for _ in range(6)]
+    assert firsts == list(URLS[:3]) * 2  # one group, every upstream in turn: each compiles it
+    route = router.route(KEYS[1], {}, down={URLS[0]})
+    assert route.order == (URLS[1], URLS[2], URLS[0]) and route.reason == "turn"
+    assert isinstance(make_router(URLS, "affinity", max_in_flight=4), AffinityRouter)

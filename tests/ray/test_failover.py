@@ -1,7 +1,8 @@
-"""A fleet with API keys: each tenant's groups stay its own across the ingress (the replicas
-derive the same tenants); and a replica killed mid-run: Ray Serve replaces it under the same
-name, its groups stay home and the replacement loads them from the shared cache dir's disk tier
-(a hit, no compile); no request fails meanwhile (those sent to it wait for the replacement)."""
+"""A fleet with API keys and a cache dir per replica (`replica_cache = "separate"`, as on separate
+nodes): each tenant's groups stay its own across the ingress (the replicas derive the same
+tenants); and a replica killed mid-run: the ingress's watch sees it gone, its groups move to the
+other replica (a miss, then hits), no request fails, and once Ray Serve's replacement (under the
+same name) answers, they go home and load from its cache dir's disk tier."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from gateway.auth import _salt
 from gateway.serve_ray import engine_name
-from tests.proxy.conftest import metric
+from tests.proxy.conftest import metric, wait_for
 from tests.ray.conftest import ray_fleet, ray_settings
 from tests.ray.test_replicas import SYSTEMS, ask, client_for, home, samples
 
@@ -25,7 +26,8 @@ KEYS = ("tenant-a-key", "tenant-b-key")
 
 @pytest.fixture(scope="module")
 def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-failover-cache"), api_keys=KEYS)
+    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-failover-cache"), api_keys=KEYS,
+                              replica_cache="separate", upstream_probe_s=0.5)
     with ray_fleet(settings) as base_url:
         yield base_url
 
@@ -48,20 +50,39 @@ def test_tenants_never_share_a_group_through_the_ingress(fleet_url):
         ask(client_for(fleet_url, "not-a-key"), system, "three")
 
 
-def test_a_killed_replicas_groups_reload_from_the_shared_disk_and_no_request_fails(fleet_url):
+def replica_up(base_url: str, name: str) -> bool:
+    """Whether the ingress's /health (which probes every replica) says replica `name` serves."""
+    body = httpx.get(base_url + "/health", timeout=30).json()
+    entries = body.get("replicas") or body.get("upstreams") or []
+    [entry] = [e for e in entries if name in (e.get("name"), httpx.URL(e.get("url", "http://x")).host)]
+    return bool(entry["status"] == "ok")
+
+
+def test_a_killed_replicas_groups_move_to_the_other_replica_then_come_home(fleet_url):
     client = client_for(fleet_url, KEYS[0])
+    salt = _salt(KEYS[0].encode())
     for turn in range(2):
         for system in SYSTEMS:
             ask(client, system, f"question {turn}")
     victim = engine_name(0)
-    assert any(home(s, _salt(KEYS[0].encode())) == f"http://{victim}" for s in SYSTEMS)
+    moved = [s for s in SYSTEMS if home(s, salt) == f"http://{victim}"]
+    assert moved and len(moved) < len(SYSTEMS)
     kill_replica(victim)
-    for turn in range(2, 4):
-        for system in SYSTEMS:  # the SDK does not retry (max_retries=0): each must succeed at once
-            assert ask(client, system, f"question {turn}").usage.prompt_tokens_details.cached_tokens > 0
+    assert wait_for(lambda: not replica_up(fleet_url, victim), deadline_s=60)  # the ingress's watch saw it
 
+    for turn in range(2, 4):  # its groups compile once on the survivor (its own cache dir), then hit there
+        for system in SYSTEMS:  # the SDK does not retry (max_retries=0): each must succeed at once
+            cached = ask(client, system, f"question {turn}").usage.prompt_tokens_details.cached_tokens
+            assert (cached > 0) == (turn == 3 or system not in moved), (system, turn, cached)
+    survivor = samples(httpx.get(fleet_url + "/metrics", timeout=30).text)
+    assert metric(survivor, "toolkv_upstream_routed_total", upstream=f"http://{engine_name(1)}",
+                  route="failover") == 2 * len(moved)
+
+    assert wait_for(lambda: replica_up(fleet_url, victim), deadline_s=240)  # Ray Serve's replacement
+    for system in SYSTEMS:  # back home: the replacement loads them from its cache dir's disk tier
+        assert ask(client, system, "question 4").usage.prompt_tokens_details.cached_tokens > 0
     fleet = samples(httpx.get(fleet_url + "/metrics", timeout=30).text)
-    assert metric(fleet, "toolkv_cache_lookups_total", replica=victim, result="hit", tier="disk") >= 1
+    assert metric(fleet, "toolkv_cache_lookups_total", replica=victim, result="hit", tier="disk") == len(moved)
     assert metric(fleet, "toolkv_cache_lookups_total", replica=victim, result="miss") == 0  # the replacement's
     assert metric(fleet, "toolkv_ingress_requests_total") == metric(fleet, "toolkv_ingress_requests_total",
                                                                     status="200")
