@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -94,6 +94,8 @@ class BenchClient:
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float, clock_zero: float) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
         self.clock_zero = clock_zero
         self._http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
                                        limits=httpx.Limits(max_connections=64))
@@ -103,6 +105,10 @@ class BenchClient:
 
     def rebase(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
+
+    def sibling(self, base_url: str) -> BenchClient:
+        """A client of another server with this one's key, timeout and clock (close it too)."""
+        return BenchClient(base_url, self.api_key, self.timeout_s, self.clock_zero)
 
     async def served_model(self) -> str | None:
         """The first model id of GET /v1/models (None if the server does not say)."""
@@ -145,9 +151,11 @@ class BenchClient:
         return root + path
 
     async def chat(self, body: dict[str, Any], sample: Sample, on_sent: Callable[[], None] | None = None,
-                   on_chunk: Callable[[dict[str, Any]], None] | None = None) -> Sample:
+                   on_chunk: Callable[[dict[str, Any]], None] | None = None,
+                   on_first_token: Callable[[], Awaitable[None]] | None = None) -> Sample:
         """Send one streaming request; fill in `sample`'s timings and usage. Raises ContextTooLong.
-        `on_chunk` sees every parsed chunk (to assemble the message, as an SDK does).
+        `on_chunk` sees every parsed chunk (to assemble the message, as an SDK does);
+        `on_first_token` is awaited once the first token is timed, the stream held open meanwhile.
 
         The clock starts when the request's first byte goes to the socket (httpcore's trace), so
         the client library's own work before that (~3-5 ms for httpx on a slow CPU) is reported
@@ -176,7 +184,7 @@ class BenchClient:
                 if resp.status_code != 200:
                     _raise_for_body(resp.status_code, (await resp.aread()).decode(errors="replace"))
                 sample.server_timing_ms = parse_server_timing(resp.headers.get("server-timing"))
-                await self._read_stream(resp, sample, wire[0], on_chunk)
+                await self._read_stream(resp, sample, wire[0], on_chunk, on_first_token)
         except httpx.HTTPError as exc:
             sample.error = f"{type(exc).__name__}: {exc}"
         except _ServerError as exc:
@@ -212,7 +220,8 @@ class BenchClient:
         return response
 
     async def _read_stream(self, resp: httpx.Response, sample: Sample, started: float,
-                           on_chunk: Callable[[dict[str, Any]], None] | None = None) -> None:
+                           on_chunk: Callable[[dict[str, Any]], None] | None = None,
+                           on_first_token: Callable[[], Awaitable[None]] | None = None) -> None:
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -230,6 +239,8 @@ class BenchClient:
                 sample.token_chunks += 1
                 if sample.ttft_s is None:
                     sample.ttft_s = time.perf_counter() - started
+                    if on_first_token is not None:
+                        await on_first_token()
             if chunk.get("usage"):
                 _take_usage(sample, chunk["usage"])
 
