@@ -123,7 +123,8 @@ def _in_responses_terms() -> Iterator[None]:
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
     completion = await runtime.service.complete(planned.prepared)
     choice = completion["choices"][0]
-    output = output_of(choice["message"], choice["finish_reason"])
+    logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else None
+    output = output_of(choice["message"], choice["finish_reason"], logprobs)
     body = planned.shape.body(status_of(choice["finish_reason"]), output,
                               usage_of(completion["usage"], planned.prepared))
     _keep(store, planned, output)

@@ -23,13 +23,15 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An `output_text` part; `logprobs`: its tokens' entries, in chat's shape (OpenAI's here too)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: ItemStatus) -> dict[str, Any]:
+def message_item(item_id: str, text: str | None, status: ItemStatus,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """An assistant message; `text` None while it is being written (no part yet)."""
-    content = [] if text is None else [text_part(text)]
+    content = [] if text is None else [text_part(text, logprobs)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -42,17 +44,33 @@ def status_of(finish_reason: str) -> Literal["completed", "incomplete"]:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_of(message: dict[str, Any], finish_reason: str) -> list[dict[str, Any]]:
-    """A chat completion's message as output items: its text (if any, or if there is nothing
-    else), then one `function_call` item per call."""
+def output_of(message: dict[str, Any], finish_reason: str,
+              logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A chat completion's message (and its `logprobs.content`) as output items: its text (if
+    any, or if there is nothing else), then one `function_call` item per call."""
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    items = [message_item(new_item_id("msg"), text, status_of(finish_reason))] if text or not calls else []
+    entries = text_logprobs(logprobs or [], text, bool(calls))
+    items = [message_item(new_item_id("msg"), text, status_of(finish_reason), entries)] if text or not calls else []
     for call in calls:
         function = call["function"]
         items.append(function_call_item(new_item_id("fc"), call["id"], function["name"], function["arguments"],
                                         "completed"))
     return items
+
+
+def text_logprobs(entries: list[dict[str, Any]], text: str, calls: bool) -> list[dict[str, Any]]:
+    """The entries of the tokens that wrote `text`: every one of a text answer (as chat's), the
+    leading ones that spell the text when calls follow it (the calls' tokens are not text)."""
+    if not calls:
+        return entries
+    left, kept = len(text.encode()), []
+    for entry in entries:
+        if left <= 0:
+            break
+        kept.append(entry)
+        left -= len(entry["bytes"])
+    return kept
 
 
 def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -119,6 +137,6 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": req.format.model_dump(by_alias=True, exclude_none=True), "verbosity": "medium"},
         "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
-        "tools": tools, "top_logprobs": 0, "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tools": tools, "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": "disabled", "user": req.user,
     }

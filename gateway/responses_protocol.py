@@ -3,7 +3,8 @@
 A Responses request runs as the chat request it amounts to (so its tool group is cached exactly
 as chat's): `instructions` become the system message, input items become messages (a
 `function_call` item joins the assistant turn before it, a `function_call_output` is a tool
-message), flat function tools become chat tools, `text.format` becomes `response_format`.
+message), flat function tools become chat tools, `text.format` becomes `response_format`, and `include`
+`message.output_text.logprobs` (with `top_logprobs`) becomes chat's `logprobs` (`top_logprobs`).
 As in protocol.py, fields toolkv does not implement are a 400 naming the field unless they hold
 a value that asks for nothing; fields outside OpenAI's API are ignored.
 """
@@ -15,7 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
-from gateway.protocol import MAX_TOKENS_LIMIT, UnsupportedField
+from gateway.protocol import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, UnsupportedField
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
 
 
 class _Lenient(BaseModel):
@@ -113,12 +116,10 @@ def _no_value(value: Any) -> bool:
 
 # Responses fields that are not implemented, each with the values that ask for nothing (accepted).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "include": lambda v: v == [],
     "reasoning": _no_value,
     "background": lambda v: v is False,
     "conversation": lambda v: False,
     "prompt": lambda v: False,
-    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
     "truncation": lambda v: v == "disabled",
     "service_tier": lambda v: v in ("auto", "default"),
     "context_management": lambda v: v == [],
@@ -144,6 +145,8 @@ class ResponsesRequest(_Lenient):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_tool_calls: int | None = Field(None, ge=1)  # a bound on hosted-tool calls: there are none
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -162,6 +165,7 @@ class ResponsesRequest(_Lenient):
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _check_fields(data, UNSUPPORTED_FIELDS, "")
+            _check_include(data.get("include"))
             _check_input(data.get("input"))
             _check_tools(data.get("tools"))
             _check_tool_choice(data.get("tool_choice"))
@@ -169,6 +173,11 @@ class ResponsesRequest(_Lenient):
             if isinstance(text, dict) and text.get("verbosity") not in (None, "medium"):
                 raise UnsupportedField("text.verbosity")
         return data
+
+    @property
+    def logprobs(self) -> bool:
+        """Asked for the output text's logprobs (`top_logprobs` alone adds none, as OpenAI's)."""
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     @property
     def format(self) -> PlainText | JsonObject | JsonSchema:
@@ -180,6 +189,13 @@ def _check_fields(data: dict[str, Any], rules: dict[str, Any], prefix: str) -> N
         value = data.get(name)
         if value is not None and not is_noop(value):
             raise UnsupportedField(prefix + name)
+
+
+def _check_include(include: Any) -> None:
+    for index, value in enumerate(include if isinstance(include, list) else ()):
+        if isinstance(value, str) and value != LOGPROBS_INCLUDE:
+            raise UnsupportedValue(f"include[{index}]", f"include value '{value[:100]}' is not supported: this "
+                                   f"server can include '{LOGPROBS_INCLUDE}' only")
 
 
 def _check_input(items: Any) -> None:
@@ -259,6 +275,8 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     fields = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
               "temperature": req.temperature, "top_p": req.top_p}
     body.update({name: value for name, value in fields.items() if value is not None})
+    if req.logprobs:
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     response_format = _response_format(req.format)
     if response_format is not None:
         body["response_format"] = response_format

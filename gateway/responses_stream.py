@@ -3,7 +3,9 @@
 A small state machine: content deltas write a `message` item (opened with
 `response.output_item.added` and `response.content_part.added`, written with
 `response.output_text.delta`, closed with `...output_text.done`, `...content_part.done`,
-`...output_item.done`); a tool call's first delta opens a `function_call` item, its argument
+`...output_item.done`; each delta carries the logprobs, when asked, of the tokens the chat
+chunk sent with its text, and entries a chunk sent without text join the next delta, or else the
+`.done` event); a tool call's first delta opens a `function_call` item, its argument
 fragments are `response.function_call_arguments.delta`, and it closes with
 `...function_call_arguments.done` and `...output_item.done`. An item closes when the next one
 opens or the stream ends. Events are numbered from 0 (`sequence_number`), as OpenAI numbers them:
@@ -32,13 +34,14 @@ from gateway.responses_output import (
 class _TextItem:
     item_id: str
     parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # its tokens' entries, when asked
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
     def item(self, status: ItemStatus) -> dict[str, Any]:
-        return message_item(self.item_id, None if status == "in_progress" else self.text, status)
+        return message_item(self.item_id, None if status == "in_progress" else self.text, status, self.logprobs)
 
 
 @dataclass(slots=True)
@@ -66,6 +69,7 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # closed items, in output order
         self.text: _TextItem | None = None  # the open message item
         self.call: _CallItem | None = None  # the open function_call item
+        self.loose: list[dict[str, Any]] = []  # text tokens' logprobs a chunk sent without text
         self.finish_reason = "stop"
         self.chat_usage: dict[str, Any] | None = None
 
@@ -79,8 +83,11 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            entries = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
-                events += self._write_text(delta["content"])
+                events += self._write_text(delta["content"], entries)
+            elif self.call is None and not delta.get("tool_calls"):
+                self.loose += entries  # tokens that wrote no text yet (held back, or the end token)
             for call in delta.get("tool_calls") or ():
                 events += self._write_call(call)
             if choice.get("finish_reason"):
@@ -103,11 +110,13 @@ class ResponseEvents:
 
     # ---- items ---------------------------------------------------------------------------
 
-    def _write_text(self, text: str) -> list[dict[str, Any]]:
+    def _write_text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = self._close_call() + self._open_text()
         assert self.text is not None
+        logprobs, self.loose = self.loose + logprobs, []
         self.text.parts.append(text)
-        events.append(self._text_event("response.output_text.delta", delta=text, logprobs=[]))
+        self.text.logprobs += logprobs
+        events.append(self._text_event("response.output_text.delta", delta=text, logprobs=logprobs))
         return events
 
     def _open_text(self) -> list[dict[str, Any]]:
@@ -139,9 +148,11 @@ class ResponseEvents:
     def _close_text(self, status: ItemStatus) -> list[dict[str, Any]]:
         if self.text is None:
             return []
-        text = self.text.text
-        events = [self._text_event("response.output_text.done", text=text, logprobs=[]),
-                  self._part_event("response.content_part.done", text_part(text)),
+        self.text.logprobs += self.loose
+        self.loose = []
+        text, logprobs = self.text.text, self.text.logprobs
+        events = [self._text_event("response.output_text.done", text=text, logprobs=logprobs),
+                  self._part_event("response.content_part.done", text_part(text, logprobs)),
                   self._event("response.output_item.done", output_index=len(self.output),
                               item=self.text.item(status))]
         self.output.append(self.text.item(status))

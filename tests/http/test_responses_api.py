@@ -219,10 +219,15 @@ def test_structured_output_is_json_valid_for_the_schema(client):
      "input[0].content[0].type", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0].type", "unsupported_parameter"),
     ({"reasoning": {"effort": "high"}}, 400, "reasoning", "unsupported_parameter"),
-    ({"include": ["message.output_text.logprobs"]}, 400, "include", "unsupported_parameter"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include[0]", "unsupported_parameter"),
+    ({"include": ["message.output_text.logprobs", "web_search_call.results"]}, 400, "include[1]",
+     "unsupported_parameter"),
+    ({"include": "message.output_text.logprobs"}, 400, "include", None),
     ({"background": True}, 400, "background", "unsupported_parameter"),
     ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
-    ({"top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 21}, 400, "top_logprobs", None),
+    ({"top_logprobs": -1}, 400, "top_logprobs", None),
+    ({"top_logprobs": True}, 400, "top_logprobs", None),
     ({"truncation": "auto"}, 400, "truncation", "unsupported_parameter"),
     ({"text": {"verbosity": "low"}}, 400, "text.verbosity", "unsupported_parameter"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, 400, "tool_choice",
@@ -244,6 +249,60 @@ def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, st
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
     assert code is None or error["code"] == code
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def spelled(entries: list[dict[str, Any]]) -> str:
+    return b"".join(bytes(e["bytes"]) for e in entries).decode()
+
+
+def test_output_text_logprobs_are_chats_for_the_same_request(client):
+    """The Responses request runs as its chat request: the same tokens, logprobs and alternatives."""
+    raw = client.responses.with_raw_response.create(model=MODEL, input="Say hello", instructions=INSTRUCTIONS,
+                                                    temperature=0, max_output_tokens=8, top_logprobs=3,
+                                                    include=LOGPROBS)
+    validated(raw.http_response.json())
+    resp = raw.parse()
+    [part] = resp.output[0].content
+    entries = [lp.model_dump() for lp in part.logprobs]
+    assert len(entries) == resp.usage.output_tokens and spelled(entries) == part.text == resp.output_text
+    assert resp.top_logprobs == 3
+    for lp in part.logprobs:
+        assert [t.logprob for t in lp.top_logprobs] == sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+        assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0].token == lp.token  # greedy: the top one
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Say hello"}],
+        temperature=0, max_completion_tokens=8, logprobs=True, top_logprobs=3)
+    expected = chat.choices[0].logprobs.content
+    assert [e["token"] for e in entries] == [t.token for t in expected]
+    assert [e["logprob"] for e in entries] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+
+
+def test_streamed_logprobs_follow_each_delta_and_add_up_to_the_whole_answers(live):
+    body = {"model": MODEL, "input": "Tell me a story", "temperature": 0, "max_output_tokens": 8,
+            "top_logprobs": 2, "include": LOGPROBS}
+    events = stream_events(live, body)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    for delta in deltas:
+        assert spelled(delta["logprobs"]) == delta["delta"]  # a delta's tokens wrote exactly its text
+        assert all(len(entry["top_logprobs"]) == 2 for entry in delta["logprobs"])
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    streamed = [entry for delta in deltas for entry in delta["logprobs"]]
+    assert streamed and done["logprobs"][:len(streamed)] == streamed and spelled(done["logprobs"]) == done["text"]
+    final = validated(events[-1]["response"])
+    assert final.output[0].content[0].model_dump()["logprobs"] == done["logprobs"]
+    whole = post(live, body).json()["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in whole] == [e["token"] for e in done["logprobs"]]
+    assert [e["logprob"] for e in whole] == pytest.approx([e["logprob"] for e in done["logprobs"]], abs=1e-4)
+
+
+def test_without_the_include_value_there_are_no_logprobs_as_openais(client):
+    resp = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0, top_logprobs=2)
+    assert resp.output[0].content[0].logprobs == [] and resp.top_logprobs == 2
 
 
 def test_sdk_raises_typed_errors(client):

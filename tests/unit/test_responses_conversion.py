@@ -11,7 +11,7 @@ from typing import Any
 from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.responses_output import ResponseShape
+from gateway.responses_output import ResponseShape, output_of
 from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.responses_stream import ResponseEvents
 
@@ -21,8 +21,17 @@ USAGE = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4, "cache
          "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None,
+          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    carried = {"content": logprobs, "refusal": None} if logprobs is not None else None
+    return {"choices": [{"index": 0, "delta": delta or {}, "logprobs": carried, "finish_reason": finish}]}
+
+
+def entry(token: str, logprob: float = -1.0) -> dict[str, Any]:
+    """A chat logprobs entry (one alternative: itself)."""
+    raw = list(token.encode())
+    return {"token": token, "logprob": logprob, "bytes": raw,
+            "top_logprobs": [{"token": token, "logprob": logprob, "bytes": raw}]}
 
 
 def start(index: int, call_id: str, name: str) -> dict[str, Any]:
@@ -99,6 +108,58 @@ def test_a_failure_ends_with_an_error_event_and_response_failed():
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     failed = Response.model_validate(events[-1]["response"], strict=True)
     assert failed.status == "failed" and failed.error.code == "server_error"
+
+
+def test_each_text_delta_carries_its_tokens_logprobs_and_the_done_event_all_of_them():
+    """An end token's entry (no text) comes in the finish chunk: it joins the `.done` event, as it
+    is in chat's whole `logprobs.content`."""
+    hel, lo, end = entry("Hel", -0.5), entry("lo", -0.25), {**entry(""), "logprob": -2.0}
+    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}, logprobs=[hel]),
+                          chunk({"content": "lo"}, logprobs=[lo]), chunk({}, "stop", logprobs=[end])])
+    closing, body = stream.finish(USAGE)
+    events += closing
+    check(events)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(e["delta"], e["logprobs"]) for e in deltas] == [("Hel", [hel]), ("lo", [lo])]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    [part_done] = [e for e in events if e["type"] == "response.content_part.done"]
+    assert done["logprobs"] == part_done["part"]["logprobs"] == [hel, lo, end]
+    final = Response.model_validate(body, strict=True)
+    part = final.output[0].content[0]
+    assert [(lp.token, lp.logprob, lp.bytes) for lp in part.logprobs] == [("Hel", -0.5, list(b"Hel")),
+                                                                         ("lo", -0.25, list(b"lo")), ("", -2.0, [])]
+    assert part.logprobs[0].top_logprobs[0].token == "Hel"
+
+
+def test_text_logprobs_held_back_go_out_with_the_next_delta_and_call_tokens_are_not_text():
+    held, tail, call = entry("Let"), entry(" me"), entry("<tool_call>")
+    events, stream = run([chunk({}, logprobs=[held]), chunk({"content": "Let me"}, logprobs=[tail]),
+                          chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                                 "function": {"name": "f", "arguments": ""}}]}, logprobs=[call]),
+                          chunk({}, "tool_calls", logprobs=[entry("</tool_call>")])])
+    closing, body = stream.finish(USAGE)
+    check(events + closing)
+    [delta] = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert delta["logprobs"] == [held, tail]
+    assert body["output"][0]["content"][0]["logprobs"] == [held, tail]
+
+
+def test_a_whole_answers_text_part_has_the_entries_that_spell_its_text_not_its_calls():
+    message = {"role": "assistant", "content": "Hi.", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    entries = [entry("Hi"), entry("."), entry("<tool_call>"), entry("{}")]
+    text, call = output_of(message, "tool_calls", entries)
+    assert text["content"][0]["logprobs"] == entries[:2] and "logprobs" not in call
+    [alone] = output_of({"role": "assistant", "content": "Hi."}, "stop", [*entries[:2], entry("")])
+    assert alone["content"][0]["logprobs"] == [*entries[:2], entry("")]  # all of them, as chat's
+
+
+def test_logprobs_are_asked_of_chat_only_with_the_include_value():
+    asked = ResponsesRequest.model_validate({"input": "hi", "include": ["message.output_text.logprobs"],
+                                             "top_logprobs": 3})
+    assert {k: chat_body(asked, [])[k] for k in ("logprobs", "top_logprobs")} == {"logprobs": True, "top_logprobs": 3}
+    top_only = chat_body(ResponsesRequest.model_validate({"input": "hi", "top_logprobs": 3}), [])
+    assert "logprobs" not in top_only and "top_logprobs" not in top_only  # as OpenAI: no include, no logprobs
 
 
 def test_input_items_become_chat_messages_with_calls_joining_their_turn():
