@@ -1,13 +1,12 @@
 """Cache management endpoints: `POST /v1/cache/warm`, `GET /v1/cache`, `GET /v1/cache/{id}`,
 `DELETE /v1/cache/{id}`, `DELETE /v1/cache`. They need the admin key when API keys are set. An id
-is an entry's key digest (64 lowercase hex); anything else is rejected before it can reach the
-filesystem. Warming fills the shared namespace: what an open gateway, and tenants using a group
-listed in `shared_groups`, look up."""
+is an entry's key digest (64 lowercase hex, `gateway/cache_ids.py`); anything else is rejected
+before it can reach the filesystem. Warming fills the shared namespace: what an open gateway, and
+tenants using a group listed in `shared_groups`, look up."""
 
 from __future__ import annotations
 
 import asyncio
-import re
 
 import orjson
 from fastapi import APIRouter, Request
@@ -15,19 +14,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from gateway.cache_admin import WarmRequest, entry_dict, plan_warm, warm_plan
+from gateway.cache_ids import checked_id, unknown_entry
 from gateway.engine import QueueFull
-from gateway.errors import (
-    BadRequest,
-    NotFound,
-    Overloaded,
-)
+from gateway.errors import BadRequest, Overloaded
 from gateway.limits import check_json_depth
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
 router = APIRouter()
 
-_ENTRY_ID = re.compile(r"[0-9a-f]{64}")
 _WRITE_TIMEOUT_S = 30.0
 
 
@@ -61,20 +56,20 @@ async def list_entries(request: Request) -> JSONResponse:
 @router.get("/v1/cache/{entry_id}")
 async def get_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
-    digest = _checked_id(entry_id)
+    digest = checked_id(entry_id)
     infos = await asyncio.to_thread(runtime.store.entries)
     for info in infos:
         if info.digest == digest:
             return JSONResponse(entry_dict(info))
-    raise _unknown(digest)
+    raise unknown_entry(digest)
 
 
 @router.delete("/v1/cache/{entry_id}")
 async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
-    digest = _checked_id(entry_id)
+    digest = checked_id(entry_id)
     if not await asyncio.to_thread(runtime.store.remove, digest):
-        raise _unknown(digest)
+        raise unknown_entry(digest)
     return JSONResponse({"id": digest, "object": "toolkv.cache_entry.deleted", "deleted": True})
 
 
@@ -97,17 +92,6 @@ def _warm_request(raw: bytes) -> WarmRequest:
         first = exc.errors()[0]
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
         raise BadRequest(f"invalid value for '{param or 'body'}': {first['msg']}", param=param or None) from None
-
-
-def _checked_id(entry_id: str) -> str:
-    if not _ENTRY_ID.fullmatch(entry_id):
-        raise BadRequest(f"'{entry_id[:80]}' is not a cache entry id: ids are 64 lowercase hex "
-                         "characters, as listed by GET /v1/cache", param="id")
-    return entry_id
-
-
-def _unknown(digest: str) -> NotFound:
-    return NotFound(f"no cache entry with id '{digest}'", param="id")
 
 
 def _admin_runtime(request: Request) -> Runtime:

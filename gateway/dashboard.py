@@ -1,25 +1,26 @@
 """The live dashboard: the page at `/` and its assets, served from `gateway/static/` (no CDN), and
 `GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
 registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
-store's public listing; the serving layer knows nothing about the dashboard."""
+store's public listing; the serving layer knows nothing about the dashboard. The numbers are
+computed from collected metric families, so the Ray Serve ingress computes the fleet's from its
+replicas' merged series with the same functions (`gateway/serve_ray/fleet_dashboard.py`)."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
-from prometheus_client import Histogram
 from prometheus_client.metrics_core import Metric
 
 from gateway.errors import NotFound
-from gateway.metrics import Metrics
+from gateway.metrics import EngineView, Metrics
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -28,19 +29,30 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 TTFT_LABELS = ("hit", "miss", "bypass")
+TTFT_HISTOGRAM = "toolkv_time_to_first_token_seconds"
 MAX_GROUP_ROWS = 200
 
+page_router = APIRouter(include_in_schema=False)  # the page and its assets: no data, any app may serve them
 router = APIRouter(include_in_schema=False)
 
 
-@router.get("/")
+class Collectable(Protocol):
+    """A metric or a registry: what `collect()` gives is a list of families."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+@page_router.get("/")
 async def index() -> FileResponse:
     return _asset("index.html")
 
 
-@router.get("/static/{name}")
+@page_router.get("/static/{name}")
 async def static_asset(name: str) -> FileResponse:
     return _asset(name)
+
+
+router.include_router(page_router)
 
 
 @router.get("/v1/dashboard/stats")
@@ -53,11 +65,12 @@ async def stats(request: Request) -> JSONResponse:
     if runtime is not None:
         runtime.refresh_gauges()
     metrics: Metrics = app.state.metrics
+    families = list(metrics.registry.collect())
     windows = ttft_windows(app)
     windows.sample(metrics.ttft, time.time())
     return JSONResponse({
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
-        "totals": totals(metrics), "engine": engine(metrics) if runtime is not None else None,
+        "totals": totals(families), "engine": engine(families, metrics.engine) if runtime is not None else None,
         "ttft_windows": windows.to_json(), "window_s": windows.window_s, "groups": ram_groups(runtime)})
 
 
@@ -77,24 +90,30 @@ def _status(app: FastAPI) -> str:
 # ---- totals ------------------------------------------------------------------------------------
 
 
-def totals(metrics: Metrics) -> dict[str, Any]:
-    """Counters since start-up, summed over the labels the page does not split by."""
-    lookups = _by_label(metrics.cache_lookups.collect(), "toolkv_cache_lookups_total", "result")
-    requests = _by_label(metrics.requests.collect(), "toolkv_requests_total", "status")
+def totals(families: Sequence[Metric]) -> dict[str, Any]:
+    """Counters since start-up, summed over the labels the page does not split by (on the Ray
+    ingress, over the replicas too)."""
+    lookups = _by_label(families, "toolkv_cache_lookups_total", "result")
     hits, misses = lookups.get("hit", 0.0), lookups.get("miss", 0.0)
-    prompt = _value(metrics.prompt_tokens.collect(), "toolkv_prompt_tokens_total")
-    cached = _value(metrics.cached_tokens.collect(), "toolkv_prompt_tokens_cached_total")
+    prompt = _value(families, "toolkv_prompt_tokens_total")
+    cached = _value(families, "toolkv_prompt_tokens_cached_total")
     return {
-        "requests": sum(requests.values()),
-        "errors": sum(n for status, n in requests.items() if not status.startswith("2")),
+        **request_totals(families, "toolkv_requests_total"),
         "lookups": lookups,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "prompt_tokens": prompt, "cached_tokens": cached,
         "cached_share": cached / prompt if prompt else None,
-        "generated_tokens": _value(metrics.generated_tokens.collect(), "toolkv_generation_tokens_total"),
-        "cache_entries": _by_label(metrics.cache_entries.collect(), "toolkv_cache_entries", "tier"),
-        "cache_bytes": _by_label(metrics.cache_bytes.collect(), "toolkv_cache_bytes", "tier"),
+        "generated_tokens": _value(families, "toolkv_generation_tokens_total"),
+        "cache_entries": _by_label(families, "toolkv_cache_entries", "tier"),
+        "cache_bytes": _by_label(families, "toolkv_cache_bytes", "tier"),
     }
+
+
+def request_totals(families: Sequence[Metric], sample_name: str) -> dict[str, float]:
+    """Requests answered and how many of them were not 2xx, from a `status`-labelled counter."""
+    requests = _by_label(families, sample_name, "status")
+    return {"requests": sum(requests.values()),
+            "errors": sum(n for status, n in requests.items() if not status.startswith("2"))}
 
 
 def _by_label(families: Iterable[Metric], sample_name: str, label: str) -> dict[str, float]:
@@ -114,34 +133,33 @@ def _value(families: Iterable[Metric], sample_name: str) -> float:
 # ---- engine ------------------------------------------------------------------------------------
 
 
-def engine(metrics: Metrics) -> dict[str, Any]:
-    """The engine as its series last saw it: sequences, steps, KV blocks, prefix cache in tokens."""
-    blocks = _by_label(metrics.kv_blocks.collect(), "toolkv_kv_blocks", "state")
-    queries = _value(metrics.prefix_queries.collect(), "vllm:prefix_cache_queries_total")
-    hits = _value(metrics.prefix_hits.collect(), "vllm:prefix_cache_hits_total")
-    view = metrics.engine
+def engine(families: Sequence[Metric], view: EngineView) -> dict[str, Any]:
+    """The engine as its series last saw it: sequences, steps, KV blocks, prefix cache in tokens;
+    `view` says what the series cannot (the pool's size, the last step)."""
+    blocks = _by_label(families, "toolkv_kv_blocks", "state")
+    queries = _value(families, "vllm:prefix_cache_queries_total")
+    hits = _value(families, "vllm:prefix_cache_hits_total")
     last = view.last_step
     return {
-        "running": _value(metrics.running.collect(), "vllm:num_requests_running"),
-        "waiting": _value(metrics.waiting.collect(), "vllm:num_requests_waiting"),
-        "steps": _value(metrics.engine_steps.collect(), "toolkv_engine_steps_total"),
+        "running": _value(families, "vllm:num_requests_running"),
+        "waiting": _value(families, "vllm:num_requests_waiting"),
+        "steps": _value(families, "toolkv_engine_steps_total"),
         "batch_size": {"last": last.batch_size if last else None,
-                       "mean": _mean(metrics.batch_size.collect(), "toolkv_batch_size")},
+                       "mean": _mean(families, "toolkv_batch_size")},
         "tokens_per_step": {"last": last.num_tokens if last else None,
-                            "mean": _mean(metrics.iteration_tokens.collect(), "vllm:iteration_tokens_total")},
+                            "mean": _mean(families, "vllm:iteration_tokens_total")},
         "kv_blocks": {"total": view.kv_blocks_total, "used": blocks.get("used", 0.0),
                       "free": blocks.get("free", 0.0), "cached": blocks.get("cached", 0.0),
                       "block_tokens": view.kv_block_tokens},
-        "kv_usage": _value(metrics.kv_usage.collect(), "vllm:kv_cache_usage_perc"),
-        "preemptions": _value(metrics.preemptions.collect(), "vllm:num_preemptions_total"),
+        "kv_usage": _value(families, "vllm:kv_cache_usage_perc"),
+        "preemptions": _value(families, "vllm:num_preemptions_total"),
         "prefix_cache": {"queries_tokens": queries, "hits_tokens": hits,
                          "hit_rate": hits / queries if queries else None},
     }
 
 
-def _mean(families: Iterable[Metric], histogram_name: str) -> float | None:
+def _mean(families: Sequence[Metric], histogram_name: str) -> float | None:
     """A histogram's mean since start-up, None before its first observation."""
-    families = list(families)
     count = _value(families, histogram_name + "_count")
     return _value(families, histogram_name + "_sum") / count if count else None
 
@@ -205,22 +223,26 @@ class Window:
 class TtftWindows:
     """TTFT p50/p95 per fixed time window, for hits and misses, from the change in the Prometheus
     histogram between two looks (the serving layer records into the histogram only). Requests that
-    finish while no one looks are counted in the window of the next look."""
+    finish while no one looks are counted in the window of the next look. Each series (one per
+    `cache` label, and per `replica` on the Ray ingress) is followed on its own: a replica that
+    restarted (its counts went down) or did not answer one look adds nothing twice."""
 
     def __init__(self, window_s: float = 10.0, max_windows: int = 180) -> None:
         self.window_s = window_s
         self.bounds: list[float] = []
-        self._last: dict[str, HistogramState] = {}
+        self._last: dict[SeriesKey, HistogramState] = {}
         self._windows: deque[Window] = deque(maxlen=max_windows)
 
-    def sample(self, histogram: Histogram, now_s: float) -> None:
-        self.bounds, current = read_histogram(histogram.collect())
-        for label, state in current.items():
-            delta = state.minus(self._last.get(label))
-            if label in TTFT_LABELS and delta.count > 0:
+    def sample(self, source: Collectable, now_s: float) -> None:
+        """Look at the TTFT histogram in `source` (the histogram itself, or any collector holding it)."""
+        bounds, current = read_histogram(source.collect())
+        self.bounds = bounds or self.bounds
+        for key, state in current.items():
+            delta = state.minus(self._last.get(key))
+            if key.cache in TTFT_LABELS and delta.count > 0 and min(delta.counts) >= 0:
                 window = self._window_at(now_s)
-                window.series[label] = window.series.get(label, HistogramState([])).plus(delta)
-        self._last = current
+                window.series[key.cache] = window.series.get(key.cache, HistogramState([])).plus(delta)
+        self._last.update(current)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [window.to_json(self.bounds) for window in self._windows]
@@ -240,17 +262,27 @@ def ttft_windows(app: FastAPI) -> TtftWindows:
     return windows
 
 
-def read_histogram(families: Iterable[Metric]) -> tuple[list[float], dict[str, HistogramState]]:
-    """(finite bucket bounds, cache label -> state) from a collected `cache`-labelled histogram."""
+@dataclass(frozen=True, slots=True)
+class SeriesKey:
+    replica: str  # "" on a single gateway
+    cache: str
+
+
+def read_histogram(families: Iterable[Metric],
+                   name: str = TTFT_HISTOGRAM) -> tuple[list[float], dict[SeriesKey, HistogramState]]:
+    """(finite bucket bounds, series -> state) of the `cache`-labelled histogram `name` among `families`."""
     bounds: set[float] = set()
-    series: dict[str, HistogramState] = {}
+    series: dict[SeriesKey, HistogramState] = {}
     for family in families:
         for sample in family.samples:  # buckets come in ascending order within a series
-            state = series.setdefault(sample.labels.get("cache", ""), HistogramState([]))
+            if sample.name not in (name + "_bucket", name + "_sum"):
+                continue
+            key = SeriesKey(sample.labels.get("replica", ""), sample.labels.get("cache", ""))
+            state = series.setdefault(key, HistogramState([]))
             if sample.name.endswith("_bucket"):
                 state.counts.append(sample.value)
                 bounds.update([float(sample.labels["le"])] if sample.labels["le"] != "+Inf" else [])
-            elif sample.name.endswith("_sum"):
+            else:
                 state.sum_s = sample.value
     return sorted(bounds), series
 

@@ -1,5 +1,6 @@
 // The toolkv dashboard: polls /v1/dashboard/stats and renders the totals, the TTFT chart and the
-// tool-group table; the playground streams /v1/chat/completions with and without the cache.
+// tool-group table (on a Ray Serve ingress, also one row per replica, and the totals are the
+// fleet's); the playground streams /v1/chat/completions with and without the cache.
 // No dependencies, no build step: served as is from the gateway package.
 (() => {
   "use strict";
@@ -94,7 +95,7 @@
   function setStatus(status) {
     const pill = $("status");
     pill.dataset.status = status;
-    pill.textContent = {ok: "ready", loading: "model loading…",
+    pill.textContent = {ok: "ready", loading: "model loading…", degraded: "some replicas are down",
       locked: "enter the admin key to see the numbers"}[status] || status;
   }
 
@@ -103,6 +104,7 @@
     $("model").textContent = `model: ${stats.model || "…"}`;
     $("updated").textContent = `updated ${fmt.clock(Date.now() / 1000)}`;
     renderTotals(stats.totals);
+    renderReplicas(stats.replicas);
     renderEngine(stats.engine);
     renderLatestTtft(stats.ttft_windows);
     renderChart(stats.ttft_windows, stats.window_s);
@@ -130,6 +132,39 @@
       const latest = windows.filter((w) => w[label]).pop();
       $(`ttft-${label}`).textContent = latest ? fmt.ms(latest[label].p50_ms) : "—";
     }
+  }
+
+  // ---- replicas (Ray Serve ingress only) ---------------------------------------------------------
+
+  function renderReplicas(replicas) {
+    const fleet = Array.isArray(replicas);
+    $("replicas").hidden = !fleet;
+    $("groups-replica").hidden = !fleet;
+    $("title-engine").textContent = fleet ? "Engines (all replicas)" : "Engine";
+    if (!fleet) return;
+    const up = replicas.filter((r) => r.status === "ok").length;
+    $("replicas-summary").textContent = `${up} of ${plural(replicas.length, "replica")} serving`;
+    $("replica-table").tBodies[0].replaceChildren(...replicas.map(replicaRow));
+  }
+
+  function replicaRow(r) {
+    const row = document.createElement("tr");
+    row.dataset.replica = r.name;
+    const cells = [
+      [r.name, "mono", "name"], [r.status === "ok" ? "up" : `down (${r.status})`, `replica-${r.status}`, "status"],
+      [fmt.int(r.in_flight), "num", "in-flight"], [fmt.int(r.requests), "num", "requests"],
+      [fmt.int(r.lookups.hit || 0), "num", "hits"], [fmt.int(r.lookups.miss || 0), "num", "misses"],
+      [fmt.pct(r.hit_rate), "num", "hit-rate"], [fmt.int(r.cache_entries.ram || 0), "num", "ram-entries"],
+      [fmt.int(r.cache_entries.disk || 0), "num", "disk-entries"],
+    ];
+    for (const [text, cls, name] of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      cell.className = cls;
+      cell.dataset.field = name;
+      row.append(cell);
+    }
+    return row;
   }
 
   // ---- engine ----------------------------------------------------------------------------------
@@ -263,7 +298,7 @@
     const cells = [
       [g.group_id.slice(0, 12), "mono", g.group_id], [shown + more, "tools", g.tool_names.join(", ")],
       [fmt.int(g.num_tokens), "num"], [fmt.bytes(g.num_bytes), "num"], [fmt.int(g.hits), "num"],
-      [g.tier, ""], [fmt.ago(g.last_used_at), ""],
+      [g.tier, ""], ...(g.replica === undefined ? [] : [[g.replica, "mono"]]), [fmt.ago(g.last_used_at), ""],
     ];
     for (const [text, cls, title] of cells) {
       const cell = document.createElement("td");
