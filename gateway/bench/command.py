@@ -24,12 +24,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gateway.bench.bfcl import RowsError
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
 from gateway.bench.constrained import ConstrainedRows, load_rows
+from gateway.bench.fleet import BaselineFleet, FixedBaseline
 from gateway.bench.floor import FloorProbe, FloorResult, measure_floor
 from gateway.bench.options import ONLY_WHEN_NAMED
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
-from gateway.bench.server import ServerFailed, SpawnedServer
+from gateway.bench.server import BaselineSwap, ServerFailed, SpawnedServer
 from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools
 
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> Plan:
+    if args.replicas is not None and (not args.spawn or args.replicas < 1):
+        raise ValueError("--replicas N takes --spawn and N >= 1 (against a running fleet, pass its --base-url)")
     plan = Plan.quick(args.tools or 10) if args.quick else Plan(tools=args.tools or 20)
     changes: dict[str, Any] = {k: v for k, v in (("requests", args.requests), ("groups", args.groups),
                                                  ("requests_per_client", args.requests_per_client),
@@ -123,8 +126,9 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
                     loaded: tuple[Trajectories | None, ConstrainedRows | None], out_dir: Path, cache_dir: Path | None,
                     console: Console
                     ) -> tuple[list[ScenarioResult], dict[int, FloorResult], str | None, dict[str, Any]]:
+    spawn_env = _spawn_env(args, names, plan) if cache_dir is not None else {}
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
-                           config=args.config) if cache_dir is not None else None
+                           config=args.config, replicas=args.replicas, env=spawn_env) if cache_dir is not None else None
     clock_zero = time.perf_counter()
     if server is not None:
         console.print(f"starting toolkv serve (log: {server.log_path}) ...")
@@ -136,18 +140,36 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
         workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
-        results = await _run_scenarios(names, client, workload, plan, loaded, server, console)
+        baseline = _baseline(args, server, client)
+        results = await _run_scenarios(names, client, workload, plan, loaded, server, baseline, console)
         floors, floor_skipped = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
         if server is not None:
             await server.stop()
-    return results, floors, floor_skipped, _meta(args, plan, client.base_url, served, workload)
+    return results, floors, floor_skipped, _meta(args, plan, client.base_url, served, workload, spawn_env)
+
+
+def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[str, str]:
+    """A spawned fleet for the fleet scenario: its ingress spills a group's requests to the second
+    replica once half the hot group's clients are in flight on the home."""
+    if "fleet" not in names or not args.replicas or args.replicas < 2:
+        return {}
+    return {"TOOLKV_UPSTREAM_MAX_IN_FLIGHT": str(max(1, plan.fleet_clients // 2))}
+
+
+def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: BenchClient) -> BaselineFleet | None:
+    """The fleet scenario's round-robin fleet: --baseline-url's, else one spawned in the main one's place."""
+    if args.baseline_url:
+        return FixedBaseline(args.baseline_url)
+    if server is not None and server.replicas and server.replicas > 1:
+        return BaselineSwap(server, client)
+    return None
 
 
 async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
                          loaded: tuple[Trajectories | None, ConstrainedRows | None], server: SpawnedServer | None,
-                         console: Console) -> list[ScenarioResult]:
+                         baseline: BaselineFleet | None, console: Console) -> list[ScenarioResult]:
     total = sum(SCENARIOS[n].planned(plan) for n in names)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -157,7 +179,8 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
             ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
             progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
-        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n), *loaded)
+        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n), *loaded,
+                      baseline=baseline)
         results, done = [], 0
         for name in names:
             progress.update(task, description=f"{name:<15}")
@@ -170,15 +193,16 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
     return results
 
 
-def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | None,
-          workload: Workload) -> dict[str, Any]:
+def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | None, workload: Workload,
+          spawn_env: dict[str, str]) -> dict[str, Any]:
     return {
         "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "toolkv " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
         "base_url": base_url, "spawned": bool(args.spawn), "model": served, "run_id": workload.run_id,
         "options": {**dataclasses.asdict(plan), "max_tokens": workload.max_tokens,
                     "tool_choice": workload.tool_choice, "tools_in_system": workload.tools_in_system,
-                    "tools_file": str(args.tools_file), "quick": bool(args.quick),
+                    "tools_file": str(args.tools_file), "quick": bool(args.quick), "replicas": args.replicas,
+                    "baseline_url": args.baseline_url, "spawn_env": spawn_env,
                     "trajectories": str(args.trajectories), "trajectory_tools": str(args.trajectory_tools)},
         "host": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
@@ -228,7 +252,7 @@ def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dic
     """One group per size that had hits on a group starting at tool 0: label -> tools."""
     by_size: dict[int, str] = {}
     for result in results:
-        if result.name in ("agent", "history", "constrained"):  # not the catalog's groups and questions
+        if result.name in ("agent", "history", "constrained", "fleet"):  # not the catalog's groups and questions
             continue
         for s in result.samples:
             if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:

@@ -12,8 +12,8 @@ from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJEC
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
 SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
-                  "history", "constrained")
-ONLY_WHEN_NAMED = ("history", "constrained")
+                  "history", "constrained", "fleet")
+ONLY_WHEN_NAMED = ("history", "constrained", "fleet")
 
 
 def register(sub: Any) -> None:
@@ -26,11 +26,17 @@ def register(sub: Any) -> None:
     target.add_argument("--spawn", action="store_true",
                         help="start `toolkv serve` on a fresh cache dir and stop it at the end (the restart "
                              "scenario needs this)")
+    p.add_argument("--replicas", type=int, metavar="N",
+                   help="with --spawn: start `toolkv serve --replicas N` (a fleet on Ray Serve; the ray extra)")
+    p.add_argument("--baseline-url",
+                   help="fleet scenario: a second running fleet, routed round robin with a cache per replica "
+                        "(`toolkv serve --replicas 2 --upstream-routing round_robin --replica-cache separate`), "
+                        "for the baseline; with --spawn the bench starts one itself")
     p.add_argument("--model", help="the model id to request (default: the first of GET /v1/models); "
                                     "with --spawn, also what the server loads")
     p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
-                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history and constrained, which "
-                        "run only when named; restart only with --spawn)")
+                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, constrained and fleet, "
+                        "which run only when named; restart only with --spawn)")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
     p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")

@@ -1,8 +1,9 @@
 """Numbers from samples: p50/p95 per class (miss, hit, bypass), speedup = miss p50 / hit p50,
 the floor and a hit's overhead above it; per concurrency case hit TTFT and aggregate output
 tokens/s, and the ratios against one client and against hits alone; the agent scenario's rows (in
-agent_report), the history scenario's (in history_report) and the constrained scenario's (in
-constrained_report); the issues' targets; the JSON report and the tables."""
+agent_report), the history scenario's (in history_report), the constrained scenario's (in
+constrained_report) and the fleet scenario's (in fleet_report); the issues' targets; the JSON report
+and the tables."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gateway.bench.constrained_report import (
     constrained_table,
     constrained_targets,
 )
+from gateway.bench.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
 from gateway.bench.floor import FloorResult
 from gateway.bench.history_report import history_lines, history_stats, history_target
 from gateway.bench.scenarios import ScenarioResult
@@ -125,6 +127,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(history_stats(result.samples))
     elif result.name == "constrained":  # about validity and the grammar's cost
         out.update(constrained_stats(result.samples, result.details))
+    elif result.name == "fleet":  # about routing: per part, replica and group
+        out.update(fleet_stats(result.samples, result.details))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
         out["errors"] = sum(1 for s in result.samples if s.cache == "error")
     else:
@@ -234,6 +238,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "agent_computes_only_new_messages": agent_target(scenarios.get("agent", {})),
         "history_rss_flat": history_target(scenarios.get("history", {})),
         **constrained_targets(scenarios.get("constrained", {})),
+        **fleet_targets(scenarios.get("fleet", {})),
     }
 
 
@@ -271,13 +276,16 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     constrained = report["scenarios"].get("constrained")
     if constrained and not constrained.get("skipped"):
         console.print(constrained_table(constrained))
+    fleet = report["scenarios"].get("fleet")
+    if fleet and not fleet.get("skipped"):
+        console.print(fleet_table(fleet))
     for line in _extra_lines(report):
         console.print(line)
 
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
 # Reported on lines of their own, not in the main table.
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained")
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained", "fleet")
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -367,6 +375,8 @@ def _extra_lines(report: dict[str, Any]) -> list[str]:
         lines += history_lines(s["history"])
     if "constrained" in s and not s["constrained"].get("skipped"):
         lines += constrained_lines(s["constrained"])
+    if "fleet" in s and not s["fleet"].get("skipped"):
+        lines += fleet_lines(s["fleet"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

@@ -1,4 +1,4 @@
-"""The ten scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
+"""The eleven scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
 the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
@@ -12,6 +12,8 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 9 history          a million tokens of synthetic conversations through the KV pool; the server's RSS every 10%
 10 constrained     BFCL-style rows with forced calls and structured outputs: validity, and the grammar's cost
                    per token against decode's (constrained.py)
+11 fleet           replicas behind one ingress: interleaved groups, one hot group against balanced ones, and a
+                   round-robin baseline (fleet.py)
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Protocol
 
 from gateway.bench.client import BenchClient, ContextTooLong, Expected, Sample
 from gateway.bench.constrained import ConstrainedRows, run_constrained
+from gateway.bench.fleet import BaselineFleet, run_fleet
+from gateway.bench.fleet import planned as fleet_planned
 from gateway.bench.history import (
     HistoryChats,
     approx_prompt_tokens,
@@ -69,13 +73,17 @@ class Plan:
     history_max_tokens: int = 4
     constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
     constrained_requests: int = 0  # requests the constrained scenario sends, once its rows are loaded
+    fleet_groups: int = 4  # fleet: groups interleaved, one request at a time
+    fleet_rounds: int = 5
+    fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
+    fleet_requests_per_client: int = 3  # measured, after a warming round
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
                    concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
-                   history_tokens=100_000)
+                   history_tokens=100_000, fleet_requests_per_client=2)
 
 
 class Restartable(Protocol):
@@ -93,6 +101,7 @@ class Context:
     on_skip: Callable[[int], None]  # planned requests that will not be sent
     trajectories: Trajectories | None = None  # the agent scenario's conversations
     rows: ConstrainedRows | None = None  # the constrained scenario's rows
+    baseline: BaselineFleet | None = None  # the fleet scenario's round-robin fleet
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
                    max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
@@ -428,5 +437,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
                                                                  turns=p.history_turns, words=p.history_words)),
     Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
+    Scenario("fleet", run_fleet, fleet_planned),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

@@ -67,13 +67,18 @@ def test_server_timing_header_parsing():
     assert parse_server_timing("a;dur=x, b;dur=2") == {"b": 2.0}
 
 
+FLEET_UNMEASURED = dict.fromkeys(("fleet_hits_after_first", "fleet_first_compile_on_one_replica", "fleet_hot_spreads",
+                                  "fleet_hot_p95_within_2x_balanced"))
+
+
 def test_targets_are_unknown_when_not_measured():
     assert targets({}) == {"hit_speedup_at_least_15x": None, "hit_overhead_under_20ms": None,
                            "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None,
                            "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
                            "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
                            "agent_computes_only_new_messages": None, "history_rss_flat": None,
-                           "constrained_all_valid": None, "constraint_cost_at_most_10pct_of_decode": None}
+                           "constrained_all_valid": None, "constraint_cost_at_most_10pct_of_decode": None,
+                           **FLEET_UNMEASURED}
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 30.0}})["rss_flat_over_soak"] is True
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}})["rss_flat_over_soak"] is False
     measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
@@ -84,7 +89,8 @@ def test_targets_are_unknown_when_not_measured():
                         "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
                         "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
                         "agent_computes_only_new_messages": None, "history_rss_flat": None,
-                        "constrained_all_valid": None, "constraint_cost_at_most_10pct_of_decode": None}
+                        "constrained_all_valid": None, "constraint_cost_at_most_10pct_of_decode": None,
+                        **FLEET_UNMEASURED}
 
 
 def conc(case: str, ttft_s: float, tokens: int | None, *, cached: int = 2990, chunks: int = 0,
