@@ -1,6 +1,14 @@
 """`toolkv serve --replicas N`: join the Ray cluster at `ray_address` (or `RAY_ADDRESS`), or start
 a local Ray instance sized for N engine replicas, run the Serve application on `host:port`, and
-keep it until Ctrl-C or SIGTERM."""
+keep it until Ctrl-C or SIGTERM.
+
+Joining a cluster with token authentication: Ray 2.60's `ray start --head` turns it on whenever a
+token exists (`~/.ray/auth_token`, which any earlier local `ray.init()` writes, or one named by
+`RAY_AUTH_TOKEN` / `RAY_AUTH_TOKEN_PATH`), but a client given an explicit address sends its token
+only under `RAY_AUTH_MODE=token`, and was refused after a minute of retries. So, as Ray does for
+a cluster it finds by itself (address `auto`), toolkv turns token mode on when a token is at hand
+and `RAY_AUTH_MODE` is unset; a cluster without authentication accepts the token too, and
+`RAY_AUTH_MODE=disabled` opts out."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import os
 import signal
 import threading
 
+from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -25,7 +34,7 @@ def serve_replicas(settings: Settings) -> int:
 
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        join_cluster(address)
     else:  # one logical CPU per engine (it runs torch), none for the ingress; no dashboard.
         # "local", not None: with no address Ray joins the cluster named in
         # /tmp/ray/ray_current_cluster, which a stopped `ray start --head` leaves behind.
@@ -40,6 +49,31 @@ def serve_replicas(settings: Settings) -> int:
         _stop_serving(shared=bool(address), deadline_s=settings.shutdown_grace_s + SHUTDOWN_SLACK_S)
         ray.shutdown()
     return 0
+
+
+def join_cluster(address: str) -> None:
+    """Connect to the cluster at `address` (its GCS, `host:port`), with its token when one is at hand."""
+    import ray
+
+    _use_token_when_at_hand()
+    try:
+        ray.init(address=address)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+        raise CliError(f"could not join the Ray cluster at {address}: {exc}. A cluster with token authentication "
+                       "needs its token here: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token "
+                       "(`ray get-auth-token` on the head prints it)", EXIT_FAILURE) from None
+
+
+def _use_token_when_at_hand() -> None:
+    """Ray's own rule for a cluster it finds by itself (address `auto`): RAY_AUTH_MODE=token when it
+    is unset and a token exists (Ray 2.60 keeps it private; a Ray without it has no token auth)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # Ray logs that it did, and how to opt out
 
 
 def _stop_serving(shared: bool, deadline_s: float) -> None:
