@@ -1,37 +1,51 @@
-"""The Responses API's memory for `previous_response_id`: per tenant, the last `max_per_tenant`
-responses (least recently used first out), each holding the chat messages it added to its
-conversation (its input, then its output) and a link to the response it continued.
+"""The Responses API's memory: per tenant, the last `max_per_tenant` responses (least recently used
+first out), each with the response object as it was returned and its input as listed items (what
+`GET /v1/responses/{id}` and `.../input_items` read back), and its `Turn` of the conversation (the
+chat messages it added, its input then its output, linked to the turn it continued) for
+`previous_response_id`.
 
-A response keeps its parent alive, so a conversation stays whole after older ids leave the
-index; a conversation is bounded by the model's context (a longer one could not be answered, so
-it is never stored). Instructions are not stored: OpenAI does not carry them over either."""
+A turn keeps its parent turn alive, so a conversation stays whole after older responses leave the
+index (their bodies go; the messages stay); a conversation is bounded by the model's context (a
+longer one could not be answered, so it is never stored). Instructions are not stored: OpenAI does
+not carry them over either."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
-class StoredResponse:
+class Turn:
     response_id: str
     messages: tuple[dict[str, Any], ...]  # chat messages: this response's input, then its output
-    parent: StoredResponse | None = None
+    parent: Turn | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
-        """Every message of the conversation up to and including this response, oldest first."""
-        chain: list[StoredResponse] = []
-        node: StoredResponse | None = self
+        """Every message of the conversation up to and including this turn, oldest first."""
+        chain: list[Turn] = []
+        node: Turn | None = self
         while node is not None:
             chain.append(node)
             node = node.parent
-        return [message for stored in reversed(chain) for message in stored.messages]
+        return [message for turn in reversed(chain) for message in turn.messages]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    turn: Turn
+    body: dict[str, Any] = field(default_factory=dict)  # the response object, as it was returned
+    input_items: tuple[dict[str, Any], ...] = ()  # its `input` as items with ids, in order
+
+    @property
+    def response_id(self) -> str:
+        return self.turn.response_id
 
 
 class ResponseStore:
-    """Thread-safe: prepare threads look responses up, the event loop adds them."""
+    """Thread-safe: prepare threads look responses up, the event loop adds and deletes them."""
 
     def __init__(self, max_per_tenant: int) -> None:
         self.max_per_tenant = max_per_tenant
@@ -57,6 +71,17 @@ class ResponseStore:
             responses.move_to_end(stored.response_id)
             while len(responses) > self.max_per_tenant:
                 responses.popitem(last=False)
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        """Forget `tenant`'s response `response_id`; False when there was none. Responses that
+        continued it keep their conversation (their turns hold its messages)."""
+        with self._lock:
+            responses = self._tenants.get(tenant)
+            if responses is None or responses.pop(response_id, None) is None:
+                return False
+            if not responses:
+                del self._tenants[tenant]
+            return True
 
     def __len__(self) -> int:
         with self._lock:

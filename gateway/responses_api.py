@@ -1,7 +1,8 @@
 """`POST /v1/responses`: OpenAI's Responses API, whole and streamed, run as the chat request it
 amounts to (responses_protocol.py) through the chat service, so tool groups, conversation reuse,
 keys, quotas and the cache headers work exactly as for chat. `previous_response_id` continues a
-response kept in this tenant's ResponseStore (`store: false` keeps nothing)."""
+response kept in this tenant's ResponseStore (`store: false` keeps nothing), which
+responses_retrieval.py reads back."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from gateway.generation_http import (
     whole_json,
 )
 from gateway.protocol import ChatCompletionRequest
-from gateway.response_store import ResponseStore, StoredResponse
+from gateway.response_store import ResponseStore, StoredResponse, Turn
 from gateway.responses_output import (
     ResponseShape,
     assistant_turn,
@@ -41,6 +42,8 @@ from gateway.responses_output import (
     usage_of,
 )
 from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.responses_retrieval import listed_items
+from gateway.responses_retrieval import router as retrieval_router
 from gateway.responses_stream import ResponseEvents
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.serving import Prepared
@@ -49,9 +52,10 @@ router = APIRouter()
 
 
 def install(app: FastAPI) -> None:
-    """The route, and the store `previous_response_id` reads (sized by `max_stored_responses`)."""
+    """The routes, and the store `previous_response_id` and GET read (sized by `max_stored_responses`)."""
     app.state.responses = ResponseStore(app.state.settings.max_stored_responses)
     app.include_router(router)
+    app.include_router(retrieval_router)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +67,7 @@ class Planned:
     shape: ResponseShape
     tenant: str
     turn: list[dict[str, Any]]  # the chat messages this request's input adds to the conversation
-    parent: StoredResponse | None
+    parent: Turn | None
 
 
 @router.post("/v1/responses")
@@ -96,7 +100,7 @@ def _plan(arrival: Arrival) -> Planned:
     return Planned(req, prepared, shape, arrival.tenant.salt, turn, parent)
 
 
-def _previous(arrival: Arrival, response_id: str | None) -> StoredResponse | None:
+def _previous(arrival: Arrival, response_id: str | None) -> Turn | None:
     if response_id is None:
         return None
     store: ResponseStore = arrival.state.responses
@@ -104,7 +108,7 @@ def _previous(arrival: Arrival, response_id: str | None) -> StoredResponse | Non
     if stored is None:
         raise BadRequest(f"Previous response with id '{response_id[:100]}' not found.",
                          param="previous_response_id", code="previous_response_not_found")
-    return stored
+    return stored.turn
 
 
 @contextlib.contextmanager
@@ -127,7 +131,7 @@ async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> di
     output = output_of(choice["message"], choice["finish_reason"], logprobs)
     body = planned.shape.body(status_of(choice["finish_reason"]), output,
                               usage_of(completion["usage"], planned.prepared))
-    _keep(store, planned, output)
+    _keep(store, planned, body)
     return body
 
 
@@ -163,16 +167,16 @@ async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], 
         return
     assert stream.chat_usage is not None  # the chat stream ends with usage when asked
     events, body = stream.finish(usage_of(stream.chat_usage, planned.prepared))
-    _keep(store, planned, body["output"])  # kept before the client can see it is done
+    _keep(store, planned, body)  # kept before the client can see it is done
     for event in events:
         yield _sse(event)
 
 
-def _keep(store: ResponseStore, planned: Planned, output: list[dict[str, Any]]) -> None:
+def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:
     if planned.req.store is False:
         return
-    messages = (*planned.turn, assistant_turn(output))
-    store.put(planned.tenant, StoredResponse(planned.shape.response_id, messages, planned.parent))
+    turn = Turn(planned.shape.response_id, (*planned.turn, assistant_turn(body["output"])), planned.parent)
+    store.put(planned.tenant, StoredResponse(turn, body, listed_items(planned.req.input)))
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:

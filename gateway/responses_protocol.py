@@ -42,12 +42,14 @@ class TextPart(_Lenient):
 
 class MessageItem(_Lenient):
     type: Literal["message"] = "message"
+    id: str | None = None  # an item's own id (a past output item sent back) is kept for listing
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
 
 
 class FunctionCallItem(_Lenient):
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
@@ -55,6 +57,7 @@ class FunctionCallItem(_Lenient):
 
 class FunctionCallOutputItem(_Lenient):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     output: str | list[TextPart]
 

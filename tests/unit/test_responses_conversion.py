@@ -1,18 +1,19 @@
 """The Responses API's pieces without a server: chat stream chunks into Responses events (every
 event valid for the SDK's type, numbered in order, items closed in output order; a failure ends
-with `error` and `response.failed`), input items into chat messages, and the per-key response
-store's LRU order."""
+with `error` and `response.failed`; logprobs on the text deltas), input items into chat messages
+and into listed items (and their pages), and the per-key response store's LRU order and deletes."""
 
 from __future__ import annotations
 
 import typing
 from typing import Any
 
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
-from gateway.response_store import ResponseStore, StoredResponse
+from gateway.response_store import ResponseStore, StoredResponse, Turn
 from gateway.responses_output import ResponseShape, output_of
 from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.responses_retrieval import InputItemsQuery, listed_items, page
 from gateway.responses_stream import ResponseEvents
 
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
@@ -195,28 +196,83 @@ def test_chat_side_errors_name_the_responses_field():
         "input", "input", "max_output_tokens", "text.format", "tools[2].parameters", "tool_choice", None]
 
 
+def kept(response_id: str, *messages: dict[str, Any], parent: Turn | None = None) -> StoredResponse:
+    return StoredResponse(Turn(response_id, messages, parent), {"id": response_id})
+
+
 def test_the_store_drops_the_least_recently_used_response_of_that_tenant_only():
     store = ResponseStore(max_per_tenant=2)
     for response_id in ("a", "b"):
-        store.put("t1", StoredResponse(response_id, ()))
-    store.put("t2", StoredResponse("x", ()))
+        store.put("t1", kept(response_id))
+    store.put("t2", kept("x"))
     assert store.get("t1", "a") is not None  # a is now the most recent
-    store.put("t1", StoredResponse("c", ()))
+    store.put("t1", kept("c"))
     assert [store.get("t1", r) is not None for r in ("a", "b", "c")] == [True, False, True]
     assert store.get("t2", "x") is not None and store.get("t2", "a") is None
 
 
 def test_a_stored_response_keeps_its_whole_conversation_after_its_parent_leaves_the_index():
     store = ResponseStore(max_per_tenant=1)
-    first = StoredResponse("a", ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}))
+    first = kept("a", {"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
     store.put("t", first)
-    store.put("t", StoredResponse("b", ({"role": "user", "content": "3"},), parent=first))
+    store.put("t", kept("b", {"role": "user", "content": "3"}, parent=first.turn))
     assert store.get("t", "a") is None
     stored = store.get("t", "b")
-    assert stored is not None and [m["content"] for m in stored.conversation()] == ["1", "2", "3"]
+    assert stored is not None and [m["content"] for m in stored.turn.conversation()] == ["1", "2", "3"]
+
+
+def test_a_deleted_response_is_gone_for_its_tenant_only_and_its_children_keep_their_conversation():
+    store = ResponseStore(max_per_tenant=4)
+    first = kept("a", {"role": "user", "content": "1"})
+    store.put("t", first)
+    store.put("t", kept("b", {"role": "user", "content": "2"}, parent=first.turn))
+    assert not store.delete("other", "a") and store.get("t", "a") is not None
+    assert store.delete("t", "a") and not store.delete("t", "a")
+    assert store.get("t", "a") is None and len(store) == 1
+    child = store.get("t", "b")
+    assert child is not None and [m["content"] for m in child.turn.conversation()] == ["1", "2"]
 
 
 def test_a_store_of_size_zero_keeps_nothing():
     store = ResponseStore(max_per_tenant=0)
-    store.put("t", StoredResponse("a", ()))
+    store.put("t", kept("a"))
     assert store.get("t", "a") is None and len(store) == 0
+
+
+# ---- input items, listed ---------------------------------------------------------------------
+
+
+def test_input_is_listed_as_openai_items_keeping_ids_that_were_sent():
+    items = listed_items(ResponsesRequest.model_validate({"input": [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "assistant", "id": "msg_old", "content": [{"type": "output_text", "text": "Hi"}]},
+        {"type": "function_call", "id": "fc_old", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "ok"}]},
+    ]}).input)
+    assert [item["id"][:3] for item in items] == ["msg", "msg", "fc_", "fco"]
+    assert items[1]["id"] == "msg_old" and items[2]["id"] == "fc_old"
+    assert len({item["id"] for item in items}) == 4
+    page_ = ResponseItemList.model_validate({"object": "list", "data": list(items), "first_id": items[0]["id"],
+                                             "last_id": items[-1]["id"], "has_more": False}, strict=True)
+    developer, assistant, call, output = page_.data
+    assert developer.type == "message" and developer.role == "developer" and developer.content[0].text == "Be brief."
+    assert assistant.role == "assistant" and assistant.content[0].text == "Hi"
+    assert (call.call_id, call.name, call.arguments) == ("c1", "get", "{}")
+    assert output.call_id == "c1" and output.output[0].text == "ok"
+    [text] = listed_items("Hello")
+    assert text["role"] == "user" and text["content"] == [{"type": "input_text", "text": "Hello"}]
+
+
+def test_pages_run_newest_first_by_default_and_continue_after_an_item():
+    items = tuple({"id": f"i{n}"} for n in range(5))
+
+    def ids(**query: Any) -> tuple[list[str], bool]:
+        listed = page(items, InputItemsQuery.model_validate(query))
+        assert (listed["first_id"], listed["last_id"]) == (listed["data"][0]["id"], listed["data"][-1]["id"])
+        return [item["id"] for item in listed["data"]], listed["has_more"]
+
+    assert ids() == (["i4", "i3", "i2", "i1", "i0"], False)
+    assert ids(order="asc", limit="2") == (["i0", "i1"], True)
+    assert ids(order="asc", limit="2", after="i1") == (["i2", "i3"], True)
+    assert ids(order="asc", after="i3") == (["i4"], False)
+    assert ids(limit="3", after="i4") == (["i3", "i2", "i1"], True)
