@@ -115,7 +115,9 @@ async def _generate(request: Request, kind: Kind) -> Response:
     """Check the key, hold one of its quota slots, shape the body (on a prepare thread), forward."""
     received = time.perf_counter()
     state = request.app.state
-    request.state.request_id = f"proxy-{uuid.uuid4().hex[:24]}"
+    request_uuid = uuid.uuid4()
+    request.state.request_id = f"proxy-{request_uuid.hex}"
+    request.state.upstream_request_id = str(request_uuid)  # the same digits, as a UUID (see upstream_headers)
     tenant: Tenant = state.keyring.tenant(request)
     body = await request.body()  # already bounded by BodySizeLimit, after the key was checked
     release = _hold(request, tenant)
@@ -182,7 +184,8 @@ def upstream_headers(request: Request) -> dict[str, str]:
     state = request.app.state
     settings: Settings = state.settings
     headers = {"content-type": "application/json", "accept-encoding": "identity"}
-    if request_id := getattr(request.state, "request_id", None):
+    # A UUID: llama-cpp-python's server refuses any other X-Request-Id with a bare 400.
+    if request_id := getattr(request.state, "upstream_request_id", None):
         headers["x-request-id"] = request_id
     if settings.upstream_api_key:
         headers["authorization"] = f"Bearer {settings.upstream_api_key}"

@@ -49,7 +49,8 @@ async def probe(state: Any, url: str) -> str:
     said = _status_field(resp)
     if said in UNAVAILABLE:
         return said
-    return "ok" if resp.status_code == 200 else "error"
+    # 404: it answers, but has no health route (llama-cpp-python's server): reachable is all we learn
+    return "ok" if resp.status_code in (200, 404) else "error"
 
 
 def _status_field(resp: httpx.Response) -> str | None:

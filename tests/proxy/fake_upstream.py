@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ class FakeUpstream:
     hold: threading.Event | None = None  # when set: every request waits for it
     break_after: int | None = None  # stream: this many events, then the connection drops
     ping_first: bool = False  # stream: a keep-alive comment before the first event
+    like_llama_cpp_python: bool = False  # /health is a 404; a bare 400 unless X-Request-Id is a UUID
     app: FastAPI = field(init=False)
     base_url: str = field(init=False, default="")  # set once it runs
 
@@ -64,6 +66,8 @@ class FakeUpstream:
         self.app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
 
     async def _health(self) -> JSONResponse:
+        if self.like_llama_cpp_python:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse({"status": "ok"})
 
     async def _models(self) -> JSONResponse:
@@ -73,6 +77,11 @@ class FakeUpstream:
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
         self.arrivals.record(Arrival(self.name, body, dict(request.headers)))
+        if self.like_llama_cpp_python:
+            try:
+                uuid.UUID(request.headers.get("x-request-id", ""))
+            except ValueError:
+                return Response(status_code=400)
         if self.hold is not None:
             assert await asyncio.to_thread(self.hold.wait, HOLD_LIMIT_S), "the test never released the hold"
         if self.status != 200:

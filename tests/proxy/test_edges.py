@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -215,3 +216,20 @@ def test_a_client_that_hangs_up_before_the_answer_is_counted_and_frees_its_upstr
         samples = live.metrics()
         assert metric(samples, "toolkv_upstream_in_flight") == 0 and metric(samples, "toolkv_requests_in_flight") == 0
         hold.set()
+
+
+def test_an_upstream_like_llama_cpp_pythons_server_serves_and_counts_as_up():
+    """llama-cpp-python's server has no /health (404) and answers a bare 400 to a request whose
+    X-Request-Id is not a UUID: the proxy's probe takes a 404 as reachable, and its ids are UUIDs."""
+    arrivals = Arrivals()
+    fake = FakeUpstream("llama", arrivals)
+    with running(fake.app) as served:  # ready as the test servers are, then it turns into the peer
+        fake.base_url, fake.like_llama_cpp_python = served.base_url, True
+        with proxy([fake], upstream_probe_s=0.05) as live:
+            resp = post(live, body())
+            assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "from llama"
+            [arrival] = arrivals.wait_for(1)
+            assert uuid.UUID(arrival.headers["x-request-id"]).version == 4
+            health = httpx.get(live.base_url + "/health", timeout=30).json()
+            assert health["status"] == "ok" and health["upstreams"][0]["status"] == "ok"
+            assert metric(live.metrics(), "toolkv_upstream_up", upstream=fake.base_url) == 1
