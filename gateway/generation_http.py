@@ -28,7 +28,7 @@ from gateway.http_edge import unless_disconnected as unless_disconnected
 from gateway.http_edge import validation_error as validation_error
 from gateway.limits import check_request_limits
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletionRequest, in_request_terms
 from gateway.runtime import Runtime, loaded_runtime
 from gateway.serving import Prepared
 
@@ -85,11 +85,12 @@ def prepare_chat(arrival: Arrival, req: ChatCompletionRequest) -> Prepared:
     """The engine job of a chat request (blocking: on a prepare thread). Every check here is
     cheap and bounded, and comes before the expensive render and tokenize."""
     runtime = arrival.runtime
-    check_request_limits(req, arrival.state.settings)
-    check_model(runtime, req.model)
-    return runtime.service.prepare(req, bypass=arrival.bypass, received=arrival.received,
-                                   request_id=arrival.request_id, salt_for=arrival.salt_for,
-                                   tenant=arrival.tenant.salt)
+    with in_request_terms(req):  # a legacy `functions` request's errors name `functions[i]`
+        check_request_limits(req, arrival.state.settings)
+        check_model(runtime, req.model)
+        return runtime.service.prepare(req, bypass=arrival.bypass, received=arrival.received,
+                                       request_id=arrival.request_id, salt_for=arrival.salt_for,
+                                       tenant=arrival.tenant.salt)
 
 
 def check_model(runtime: Runtime, model: str | None) -> None:

@@ -10,13 +10,17 @@ a client never gets a 200 that silently ignored what it asked for. Fields outsid
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
+from gateway.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -264,6 +268,32 @@ class ChatCompletionRequest(_Lenient):
     def legacy_functions(self) -> bool:
         """Asked with `functions`: the answer carries `function_call`, not `tool_calls`."""
         return self.functions is not None
+
+
+@contextlib.contextmanager
+def in_request_terms(req: ChatCompletionRequest) -> Iterator[None]:
+    """An error about the tools a legacy `functions` request was served as names what it sent:
+    `tools[1].function.parameters` is `functions[1].parameters`, a tool is a function."""
+    try:
+        yield
+    except APIError as exc:
+        param = functions_param(exc.param) if req.legacy_functions else exc.param
+        if param == exc.param or exc.param is None:
+            raise
+        message = _TOOL_WORD.sub(r"function\1", exc.message.replace(exc.param, str(param)))
+        raise type(exc)(message, param=param, code=exc.code, headers=exc.headers) from None
+
+
+_TOOL_PARAM = re.compile(r"^tools\[(\d+)\](?:\.function)?")
+_TOOL_WORD = re.compile(r"\btool(s?)\b")
+_LEGACY_PARAMS = {"tools": "functions", "tool_choice": "function_call"}
+
+
+def functions_param(param: str | None) -> str | None:
+    """The legacy field of a chat-side `param`: `tools[2].function.name` is `functions[2].name`."""
+    if param is None:
+        return None
+    return _LEGACY_PARAMS.get(param) or _TOOL_PARAM.sub(r"functions[\1]", param)
 
 
 def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:

@@ -1,8 +1,9 @@
 """OpenAI's sampling fields as a client sees them: `logprobs` / `top_logprobs` (whole and streamed,
 validated against OpenAI's strict schemas), `logit_bias`, `presence_penalty` / `frequency_penalty`,
-the legacy `functions` / `function_call`, legacy completions' `logprobs`, and a 400 naming the field
-for every bad value. The tiny random-weight model's logits are nearly flat (a spread of ~0.7), so a
-bias of a few units decides the greedy token and the penalties' arithmetic shows in the output."""
+the legacy `functions` / `function_call` (a bad function schema named as `functions[i]`), legacy
+completions' `logprobs`, and a 400 naming the field for every bad value. The tiny random-weight
+model's logits are nearly flat (a spread of ~0.7), so a bias of a few units decides the greedy
+token and the penalties' arithmetic shows in the output."""
 
 from __future__ import annotations
 
@@ -224,6 +225,42 @@ def test_a_legacy_conversation_with_a_function_result_is_accepted(live):
                 {"role": "function", "name": "get_weather", "content": "{\"sky\": \"clear\"}"}]
     resp = chat(live, {"messages": messages, "functions": [WEATHER], "function_call": "none", "max_tokens": 3})
     assert resp.status_code == 200, resp.text
+
+
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"inner": schema}}
+    return schema
+
+
+BAD_TYPE = {"type": "object", "properties": {"city": {"type": "bogus"}}}
+BAD_PATTERN = {"type": "object", "properties": {"city": {"type": "string", "pattern": "(("}}}
+
+
+@pytest.mark.parametrize("functions, function_call, param, words", [
+    ([{"name": "get_weather", "parameters": BAD_TYPE}], {"name": "get_weather"}, "functions[0].parameters",
+     "constrained decoding"),
+    ([CLOCK, {"name": "get_weather", "parameters": BAD_PATTERN}], "auto", "functions[1].parameters",
+     "constrained decoding"),
+    ([CLOCK, {"name": "deep", "parameters": nested(15)}], None, "functions[1].parameters",
+     "the parameters schema of function 'deep' nests deeper"),
+    ([{"name": "big", "description": "x" * 70_000}], None, "functions[0]", "function 'big' is"),
+])
+def test_a_bad_function_schema_is_named_as_the_function_it_was_sent_as(live, strict, functions, function_call,
+                                                                        param, words):
+    body = {"messages": HELLO, "max_tokens": 2, "functions": functions}
+    if function_call is not None:
+        body["function_call"] = function_call
+    resp = chat(live, body)
+    assert resp.status_code == 400, resp.text
+    strict("ErrorResponse", resp.json())
+    error = resp.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert "tool" not in error["message"]  # the request sent functions, not tools
+    as_tools = chat(live, {"messages": HELLO, "max_tokens": 2,
+                           "tools": [{"type": "function", "function": f} for f in functions]}).json()["error"]
+    assert as_tools["param"] == param.replace("functions", "tools").replace("].", "].function.")
 
 
 # ---- legacy completions -------------------------------------------------------------------------
