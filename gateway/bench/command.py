@@ -162,7 +162,7 @@ def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: Be
     """The fleet scenario's round-robin fleet: --baseline-url's, else one spawned in the main one's place."""
     if args.baseline_url:
         return FixedBaseline(args.baseline_url)
-    if server is not None and server.replicas and server.replicas > 1:
+    if server is not None and server.fleet:
         return BaselineSwap(server, client)
     return None
 

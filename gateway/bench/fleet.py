@@ -24,7 +24,6 @@ baseline     interleaved again on a second fleet routed round robin with a cache
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +31,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from adapters.base import ToolGroup as PromptGroup
 from adapters.base import ToolSpec
 from gateway.bench.client import BenchClient, Expected, Sample
+from gateway.bench.fleet_metrics import (
+    ROUTED,
+    Metrics,
+    compiles,
+    grown,
+    has_replica_series,
+    replica_name,
+    spread,
+    upstreams_of,
+)
 from gateway.bench.server import ServerFailed
 from gateway.bench.workload import ToolGroup, WorkloadError
 from gateway.proxy.routing import AffinityRouter, affinity_key
@@ -39,11 +48,7 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 if TYPE_CHECKING:  # scenarios imports this module
     from gateway.bench.scenarios import Context, Plan, ScenarioResult
 
-ROUTED = "toolkv_upstream_routed_total"
-UPSTREAM_UP = "toolkv_upstream_up"
-LOOKUPS = "toolkv_cache_lookups_total"
 MAX_CANDIDATES = 64  # groups ranked to find the balanced case's even split (each home is a coin toss)
-Metrics = dict[str, float]
 
 
 class BaselineFleet(Protocol):
@@ -245,17 +250,6 @@ async def watch(client: BenchClient, sample: Sample, before: Metrics) -> Metrics
     return after
 
 
-def spread(before: Metrics, after: Metrics) -> dict[str, Any]:
-    """Requests per replica and per route, and compiles per replica, between two readings."""
-    return {"requests": {replica_name(u): n for u, n in grown(before, after, ROUTED, "upstream").items()},
-            "routes": grown(before, after, ROUTED, "route"),
-            "compiles": compiles(before, after) if has_replica_series(after) else None}
-
-
-def compiles(before: Metrics, after: Metrics) -> dict[str, int]:
-    return grown(before, after, LOOKUPS, "replica", result="miss")
-
-
 def balanced_groups(ctx: Context, upstreams: tuple[str, ...], count: int) -> dict[str, str]:
     """`count` group labels -> their homes, as evenly spread over the upstreams as the first
     `MAX_CANDIDATES` candidates allow."""
@@ -290,38 +284,3 @@ def tenant_salt(api_key: str | None) -> str:
     from gateway.auth import _salt
 
     return _salt(api_key.encode())
-
-
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def series_labels(series: str) -> tuple[str, dict[str, str]]:
-    """`name{a="x",b="y"}` -> (name, {a: x, b: y})."""
-    name, _, labels = series.partition("{")
-    return name, dict(_LABEL.findall(labels))
-
-
-def grown(before: Metrics, after: Metrics, name: str, by: str, **match: str) -> dict[str, int]:
-    """How much the series `name` with the labels `match` grew, per value of its label `by` (only
-    those that grew)."""
-    out: dict[str, int] = {}
-    for series, value in after.items():
-        found, labels = series_labels(series)
-        if found == name and by in labels and all(labels.get(k) == v for k, v in match.items()):
-            out[labels[by]] = out.get(labels[by], 0) + round(value - before.get(series, 0.0))
-    return {key: n for key, n in sorted(out.items()) if n}
-
-
-def upstreams_of(metrics: Metrics) -> tuple[str, ...]:
-    """The ingress's upstreams (replicas), as its `toolkv_upstream_up{upstream}` names them."""
-    return tuple(sorted({labels["upstream"] for name, labels in map(series_labels, metrics)
-                         if name == UPSTREAM_UP and "upstream" in labels}))
-
-
-def has_replica_series(metrics: Metrics) -> bool:
-    return any("replica" in series_labels(series)[1] for series in metrics)
-
-
-def replica_name(upstream: str) -> str:
-    """`http://engine-0` -> `engine-0` (the replica label the ingress gives its replicas' series)."""
-    return upstream.split("://", 1)[-1].rstrip("/")

@@ -57,8 +57,17 @@ class SpawnedServer:
         self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                                           env={**os.environ, **self.env})
         self.base_url = f"http://127.0.0.1:{port}"
-        await self._wait_ready()
+        try:
+            await self._wait_ready()
+        except BaseException:  # a start that failed (or was interrupted) leaves nothing running
+            await self.stop()
+            raise
         return self.base_url
+
+    @property
+    def fleet(self) -> bool:
+        """Replicas behind an ingress (a replica that fails to load stops `toolkv serve` itself)."""
+        return bool(self.replicas and self.replicas > 1)
 
     async def stop(self) -> None:
         """SIGTERM, so the server shuts down cleanly and finishes its disk writes."""
@@ -87,7 +96,7 @@ class SpawnedServer:
                 status = await _health(http, self.base_url)
                 if status == "ok":
                     return
-                if status == "failed":
+                if status == "failed" and not self.fleet:  # a fleet's ingress says so until its replicas run
                     raise ServerFailed(f"the server failed to load its model; see {self.log_path}")
                 await asyncio.sleep(0.2)  # polling readiness, not synchronising
         raise ServerFailed(f"the server was not ready after {READY_TIMEOUT_S:.0f}s; see {self.log_path}")
