@@ -51,8 +51,8 @@ async def get_entry(entry_id: str, request: Request) -> Response:
         return refusal
     copies = [{**a.json(), "replica": a.replica} for a in _answered(answers)]
     if not copies:
-        raise _unavailable(_missing(answers), "the entry cannot be looked up") if _missing(answers) else \
-            unknown_entry(digest)
+        missing = _missing(answers)
+        raise _unavailable(missing, "the entry cannot be looked up") if missing else unknown_entry(digest)
     live = max(copies, key=lambda entry: ("ram" in entry.get("tiers", ()), float(entry.get("last_used_at", 0.0))))
     return JSONResponse({**live, "replicas": [copy["replica"] for copy in copies]})
 

@@ -26,6 +26,16 @@ from tests.ray.test_replicas import TOOLS, ask, client_for, replica_metrics, sam
 pytest.importorskip("ray.serve")
 
 NAMES = [engine_name(i) for i in range(REPLICAS)]
+# A table's rows at one instant: {row's data-<key> (or index): {cell's data-field (or index): text}}.
+TABLE_SCRIPT = """
+const [selector, key] = arguments, rows = {};
+document.querySelectorAll(selector + " tbody tr").forEach((row, i) => {
+  const cells = {};
+  row.querySelectorAll("td").forEach((c, j) => { cells[c.dataset.field || j] = c.textContent.trim(); });
+  rows[key ? row.dataset[key] : i] = cells;
+});
+return rows;
+"""
 
 
 @pytest.fixture(scope="module")
@@ -138,24 +148,21 @@ def test_the_page_shows_each_replica_as_the_stats_do(fleet_url, browser):  # noq
     where = home(None, tools)
 
     def shown() -> dict[str, dict[str, str]]:
-        table = page.element("replica-table")
-        return {str(row.get_attribute("data-replica")): {
-                    str(c.get_attribute("data-field")): str(c.text).strip().replace(",", "")
-                    for c in row.find_elements(page.by.TAG_NAME, "td")}
-                for row in table.find_elements(page.by.CSS_SELECTOR, "tbody tr")}
+        """The replica table's cells by replica and field, read at once (the page redraws it)."""
+        table: dict[str, dict[str, str]] = page.driver.execute_script(TABLE_SCRIPT, "#replica-table", "replica")
+        return table
 
     def matches_stats() -> bool:
-        expected = rows(stats(fleet_url))
-        return set(shown()) == set(NAMES) and all(
-            shown()[n]["hits"] == str(int(expected[n]["lookups"].get("hit", 0)))
-            and shown()[n]["misses"] == str(int(expected[n]["lookups"].get("miss", 0))) for n in NAMES)
+        on_page, expected = shown(), rows(stats(fleet_url))
+        return set(on_page) == set(NAMES) and all(
+            on_page[n]["hits"] == str(int(expected[n]["lookups"].get("hit", 0)))
+            and on_page[n]["misses"] == str(int(expected[n]["lookups"].get("miss", 0))) for n in NAMES)
 
     page.wait_for(matches_stats)
-    assert all(shown()[n]["status"] == "up" for n in NAMES)
+    assert all(row["status"] == "up" for row in shown().values())
     assert page.badge("run-cache") == "miss"
-    cells = [c.text for row in page.element("groups").find_elements(page.by.CSS_SELECTOR, "tbody tr")
-             if "get_weather" in row.text for c in row.find_elements(page.by.TAG_NAME, "td")]
-    assert where in cells  # the group's row names the replica holding it
+    groups = page.driver.execute_script(TABLE_SCRIPT, "#groups", None)
+    assert [row["6"] for row in groups.values() if "get_weather" in row["1"]] == [where]  # its row names its replica
 
 
 def test_deleting_an_entry_takes_it_off_every_replica(fleet_url):
