@@ -22,12 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admission import Preparer, TenantQuota
 from gateway.auth import KeyRing, Tenant
 from gateway.browser_guard import install_browser_guard
+from gateway.errors import NotFound, UpstreamUnavailable
 from gateway.http_edge import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
 from gateway.limits import BodySizeLimit
 from gateway.proxy import upstream_info
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage
+from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage, passed_headers
 from gateway.proxy.metrics import ProxyMetrics
+from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
 from gateway.proxy.routing import affinity_key, make_router
 from gateway.proxy.shaping import PATHS, Forward, Kind, shape
 from gateway.proxy.streaming import RelayResponse
@@ -37,6 +39,7 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 BYPASS_HEADER = "x-toolkv-cache"  # passed on: a toolkv upstream honours it
+RESPONSE_HOMES = 100_000  # Responses ids remembered (each ~200 bytes), least recently used out
 
 
 def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -63,6 +66,7 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     state.quota = TenantQuota(settings.max_requests_per_key)
     state.preparer = Preparer(max_pending=settings.max_queue)
     state.pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, state.metrics)
+    state.response_homes = ResponseHomes(RESPONSE_HOMES)
     state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
@@ -103,6 +107,36 @@ def _install_routes(app: FastAPI) -> None:
     for kind, path in PATHS.items():
         app.add_api_route(path, _endpoint(kind), methods=["POST"], name=f"proxy_{kind}")
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, response_id, "")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(request: Request, response_id: str) -> Response:
+        return await _stored(request, response_id, "/input_items")
+
+
+async def _stored(request: Request, response_id: str, rest: str) -> Response:
+    """A stored Responses answer, asked of the upstream that answered it (known only for this
+    tenant's responses relayed since the proxy started: any other id is not found)."""
+    state = request.app.state
+    tenant: Tenant = state.keyring.tenant(request)
+    homes: ResponseHomes = state.response_homes
+    upstream = homes.home(tenant.salt, response_id)
+    if upstream is None:
+        raise NotFound(f"Response with id '{response_id[:100]}' not found.", param="response_id")
+    client: httpx.AsyncClient = state.forwarder.client
+    url = f"{upstream}/v1/responses/{response_id}{rest}"
+    try:
+        resp = await client.request(request.method, url, params=request.query_params,
+                                    headers=upstream_headers(request))
+    except httpx.HTTPError:
+        raise UpstreamUnavailable("the upstream that stored this response is not reachable",
+                                  headers={"Retry-After": "1"}) from None
+    if request.method == "DELETE" and resp.status_code == 200:
+        homes.forget(tenant.salt, response_id)
+    return Response(resp.content, status_code=resp.status_code, headers=passed_headers(resp.headers))
+
 
 def _endpoint(kind: Kind) -> Callable[[Request], Awaitable[Response]]:
     async def generate(request: Request) -> Response:
@@ -125,7 +159,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     try:
         salt_for = functools.partial(state.keyring.salt_for, tenant)
         fwd = await state.preparer.run(lambda: shape(kind, parse_object(body), state.settings, salt_for))
-        response = await _forward(request, fwd, received, release)
+        response = await _forward(request, fwd, received, release, tenant)
         handed_off = isinstance(response, RelayResponse)
         return response
     finally:
@@ -133,10 +167,13 @@ async def _generate(request: Request, kind: Kind) -> Response:
             release()
 
 
-async def _forward(request: Request, fwd: Forward, received: float, release: Release) -> Response:
+async def _forward(request: Request, fwd: Forward, received: float, release: Release, tenant: Tenant) -> Response:
     state = request.app.state
+    homes: ResponseHomes = state.response_homes
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
     route = state.router.route(affinity_key(fwd.salt, fwd.group_id), state.pool.in_flight(), state.pool.down())
+    if fwd.previous_response_id is not None and (stored := homes.home(tenant.salt, fwd.previous_response_id)):
+        route = route.first(stored)
     held = state.pool.acquire(route.order[0])  # at once: the next request routed counts this one
     forwarder: Forwarder = state.forwarder
     opened: Opened | None = None
@@ -153,9 +190,13 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
     if isinstance(result, Answer):
         if result.status == 200:
             exchange.usage = answer_usage(fwd.kind, result)
+            if fwd.kind == "responses" and (response_id := answer_response_id(result.content)):
+                homes.remember(tenant.salt, response_id, result.upstream)
         exchange.finish(result.status)
         return Response(result.content, status_code=result.status, headers=result.headers)
     assert opened is not None
+    if fwd.kind == "responses" and (response_id := stream_response_id(opened.first)):
+        homes.remember(tenant.salt, response_id, opened.upstream)
     return RelayResponse(forwarder.relay(opened, fwd, exchange, release), headers=opened.headers)
 
 

@@ -42,7 +42,8 @@ class ProxyMetrics:
                               "Requests by upstream and why they went there: home (the group's), spill (the "
                               "group's second choice: its home was over upstream_max_in_flight), failover (its "
                               "home is believed down), retry (an earlier upstream failed this request), turn "
-                              "(upstream_routing = round_robin)",
+                              "(upstream_routing = round_robin), stored (a Responses follow-up, to where its "
+                              "previous response is stored)",
                               ["upstream", "route"], registry=r)
         self.upstream_in_flight = Gauge("toolkv_upstream_in_flight", "Requests in flight per upstream",
                                         ["upstream"], registry=r)

@@ -24,8 +24,15 @@ class Route:
     """The upstreams to try, in order: `order[0]` first, the next after a failure."""
 
     order: tuple[str, ...]
-    reason: Literal["home", "spill", "failover", "turn"]  # why order[0]: the key's home, its home over
-    # the bound (order[0] is the second choice), its home believed down, or round robin's turn
+    reason: Literal["home", "spill", "failover", "turn", "stored"]  # why order[0]: the key's home, its
+    # home over the bound (order[0] is the second choice), its home believed down, round robin's
+    # turn, or where the Responses answer it continues is stored
+
+    def first(self, upstream: str) -> Route:
+        """This route with `upstream` tried first (the rest after it, in their order)."""
+        if self.order[0] == upstream or upstream not in self.order:
+            return self
+        return Route((upstream, *(u for u in self.order if u != upstream)), "stored")
 
 
 class AffinityRouter:

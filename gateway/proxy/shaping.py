@@ -35,6 +35,7 @@ class Forward:
     salt: str  # the tenant's cache salt for this group ("" = the shared namespace)
     stream: bool
     client_usage: bool  # the client asked for the stream's usage chunk (else the proxy drops it)
+    previous_response_id: str | None = None  # a Responses follow-up: goes first where that one is stored
 
     @property
     def path(self) -> str:
@@ -55,7 +56,9 @@ def shape(kind: Kind, data: dict[str, Any], settings: Settings, salt_for: Callab
     if stream and not client_usage:
         options = data.get("stream_options")
         data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    return Forward(kind, orjson.dumps(data), group_id, salt, stream, client_usage)
+    previous = data.get("previous_response_id") if kind == "responses" else None
+    return Forward(kind, orjson.dumps(data), group_id, salt, stream, client_usage,
+                   previous if isinstance(previous, str) else None)
 
 
 def _asks_usage(data: dict[str, Any]) -> bool:
