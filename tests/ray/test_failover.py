@@ -22,12 +22,13 @@ from tests.ray.test_replicas import SYSTEMS, ask, client_for, home, samples
 pytest.importorskip("ray.serve")
 
 KEYS = ("tenant-a-key", "tenant-b-key")
+ADMIN = "fleet-admin-key"
 
 
 @pytest.fixture(scope="module")
 def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-failover-cache"), api_keys=KEYS,
-                              replica_cache="separate", upstream_probe_s=0.5)
+                            admin_key=ADMIN, replica_cache="separate", upstream_probe_s=0.5)
     with ray_fleet(settings) as base_url:
         yield base_url
 
@@ -48,6 +49,22 @@ def test_tenants_never_share_a_group_through_the_ingress(fleet_url):
     assert ask(b, system, "two").usage.prompt_tokens_details.cached_tokens > 0
     with pytest.raises(openai.AuthenticationError):
         ask(client_for(fleet_url, "not-a-key"), system, "three")
+
+
+def test_the_fleets_operator_routes_need_the_admin_key(fleet_url):
+    """Every tenant's tool names and entries are behind the admin key at the ingress, as on a gateway."""
+    routes = [("GET", "/v1/cache"), ("DELETE", "/v1/cache"), ("GET", "/v1/dashboard/stats"),
+              ("POST", "/v1/cache/warm")]
+    for method, path in routes:
+        for key, status in ((None, 401), (KEYS[0], 403)):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            resp = httpx.request(method, fleet_url + path, headers=headers, json={} if method == "POST" else None,
+                                 timeout=30)
+            assert resp.status_code == status, (method, path, key, resp.text)
+            assert resp.json()["error"]["type"] in ("invalid_request_error", "authentication_error",
+                                                    "permission_error"), resp.text
+    admin = httpx.get(fleet_url + "/v1/dashboard/stats", headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert admin.status_code == 200
 
 
 def replica_up(base_url: str, name: str) -> bool:
