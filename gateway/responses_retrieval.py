@@ -33,6 +33,7 @@ class InputItemsQuery(BaseModel):
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
+    request.app.state.keyring.tenant(request)  # a missing key is a 401 before anything else
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise BadRequest("'stream' is not supported here: a kept response is returned whole", param="stream",
                          code="unsupported_parameter")

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admission import Preparer, TenantQuota
 from gateway.auth import KeyRing, Tenant
 from gateway.browser_guard import install_browser_guard
-from gateway.errors import NotFound, UpstreamUnavailable
+from gateway.errors import BadRequest, NotFound, UpstreamUnavailable
 from gateway.http_edge import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
 from gateway.limits import BodySizeLimit
 from gateway.proxy import upstream_info
@@ -129,7 +129,8 @@ async def _stored(request: Request, response_id: str, rest: str) -> Response:
     url = f"{upstream}/v1/responses/{response_id}{rest}"
     try:
         resp = await client.request(request.method, url, params=request.query_params,
-                                    headers=upstream_headers(request))
+                                    headers=upstream_headers(request),
+                                    timeout=state.settings.upstream_connect_timeout_s)  # a lookup, not a generation
     except httpx.HTTPError:
         raise UpstreamUnavailable("the upstream that stored this response is not reachable",
                                   headers={"Retry-After": "1"}) from None
@@ -172,8 +173,13 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
     homes: ResponseHomes = state.response_homes
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
     route = state.router.route(affinity_key(fwd.salt, fwd.group_id), state.pool.in_flight(), state.pool.down())
-    if fwd.previous_response_id is not None and (stored := homes.home(tenant.salt, fwd.previous_response_id)):
-        route = route.first(stored)
+    if fwd.previous_response_id is not None:
+        stored = homes.home(tenant.salt, fwd.previous_response_id)
+        if stored is None and not state.keyring.open:  # upstreams do not tell this key's responses from another's
+            raise BadRequest(f"Previous response with id '{fwd.previous_response_id[:100]}' not found.",
+                             param="previous_response_id", code="previous_response_not_found")
+        if stored is not None and stored not in state.pool.down():  # else: it answers for itself, elsewhere
+            route = route.first(stored)
     held = state.pool.acquire(route.order[0])  # at once: the next request routed counts this one
     forwarder: Forwarder = state.forwarder
     opened: Opened | None = None

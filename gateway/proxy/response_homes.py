@@ -3,7 +3,9 @@ it (`previous_response_id` is found only there, as are `GET`/`DELETE /v1/respons
 proxy remembers, per tenant, which upstream answered each response id it relayed, and sends a
 follow-up there first, even when its group has since spilled or moved. Bounded (least recently
 used out); touched only from the event loop. A response id is looked up only for the tenant that
-created it, so one tenant cannot reach another's stored response through the proxy."""
+created it; with API keys, an id this key did not create here is "not found" for a follow-up too
+(the upstreams see one key for every tenant, so they cannot tell), and so one tenant cannot reach
+another's stored response through the proxy."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from gateway.serve_ray import engine_name
 from gateway.serve_ray.asgi_call import ResponseHead, call_asgi
 from gateway.settings import Settings, load_settings
 
+CONTROL_HEADROOM = 8
 INGRESS_MAX_ONGOING = 1024  # Ray Serve's default (5) would cap the whole fleet at 5 requests
 
 
@@ -135,7 +136,10 @@ def build_application(settings: Settings, replicas: int, engine_num_cpus: float 
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
     settings_json = settings.model_dump(mode="json")
-    max_ongoing = settings.max_batch + settings.max_queue
+    # What the model app admits, plus room for the control calls (the ingress's /health probe every
+    # upstream_probe_s, /metrics, /v1/cache): at saturation Ray would queue a probe behind the
+    # generations, it would time out, and a busy replica would be taken for a dead one.
+    max_ongoing = settings.max_batch + settings.max_queue + CONTROL_HEADROOM
     engines = [ENGINE_DEPLOYMENT.options(name=engine_name(i), max_ongoing_requests=max_ongoing,
                                      ray_actor_options={"num_cpus": engine_num_cpus})
                .bind(engine_settings_json(settings, i)) for i in range(replicas)]

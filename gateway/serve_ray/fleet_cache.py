@@ -138,5 +138,5 @@ def _warm_group_id(body: bytes) -> str:
         tools = [tool["function"] for tool in data.get("tools", [])]
         specs = [ToolSpec(t["name"], t.get("description"), t.get("parameters")) for t in tools]
         return ToolGroup.of(data.get("system"), specs).group_id
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError, RecursionError):
         return ""

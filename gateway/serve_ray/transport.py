@@ -65,6 +65,9 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         except Exception as exc:  # the replica died, is unavailable or the call failed: retried elsewhere
             call.cancel()
             raise httpx.ConnectError(f"replica {request.url.host}: {type(exc).__name__}", request=request) from exc
+        except BaseException:  # cancelled (the client left): Ray's wait does not cancel the call by itself
+            call.cancel()
+            raise
         if not isinstance(head, ResponseHead):
             call.cancel()
             raise httpx.RemoteProtocolError("a replica answered without a status", request=request)

@@ -52,6 +52,10 @@ def test_a_follow_up_goes_where_its_previous_response_is_stored_and_can_be_fetch
         other = openai.OpenAI(base_url=live.api_url, api_key=KEYS[1], max_retries=0, timeout=120)
         with pytest.raises(openai.NotFoundError):
             other.responses.retrieve(opening.id)  # another key's response, though on the same upstream
+        with pytest.raises(openai.BadRequestError) as refused:  # nor can it be continued by another key
+            other.responses.create(model="tiny-llama", input="What colour?", previous_response_id=opening.id,
+                                   max_output_tokens=2)
+        assert refused.value.code == "previous_response_not_found"
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve("resp_" + "0" * 32)
 

@@ -4,11 +4,13 @@ ingress: interleaved tool groups each compile once, on their home replica, and h
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -159,3 +161,19 @@ def test_warming_compiles_a_group_on_its_home_replica_only(ingress_url):
     in_ram = [e["replica"] for e in entries if e["group_id"] == group_id(system, TOOLS) and "ram" in e["tiers"]]
     assert in_ram == [warmed.json()["replica"]]
     assert ask(client_for(ingress_url), system, "first question").usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_client_that_hangs_up_on_a_whole_answer_stops_its_generation_on_the_replica(ingress_url):
+    """Not streamed, the replica's answer comes only when it is done: the ingress, cancelled by the
+    hang-up, must cancel its Ray call too, or the replica writes 3,000 tokens for nobody."""
+    before = metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499")
+    body = orjson.dumps({"model": MODEL, "messages": messages("You never stop.", "Write a long story."),
+                         "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": 3000})
+    url = httpx.URL(ingress_url)
+    with socket.create_connection((url.host, url.port), timeout=30) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (url.host.encode(), url.port, len(body), body))
+        assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight", replica=engine_name(0))
+                        + metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight", replica=engine_name(1)) == 1)
+    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == before + 1)
+    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
