@@ -131,7 +131,20 @@ INGRESS_DEPLOYMENT: Any = serve.deployment(name="ingress", num_replicas=1, max_o
                                            ray_actor_options={"num_cpus": 0})(serve.ingress()(Ingress))
 
 
-def build_application(settings: Settings, replicas: int, engine_num_cpus: float = 1.0) -> Application:
+def engine_num_gpus(device: str, cluster_gpus: float, replicas: int) -> float:
+    """GPUs each engine reserves. Ray hides every GPU from an actor that reserves none (it sets
+    CUDA_VISIBLE_DEVICES empty), so an engine meant for CUDA must ask: one GPU each when the
+    cluster has one per engine, else an equal share (engines then share devices). `cpu`/`mps`
+    reserve none; `auto` uses GPUs when the cluster has any."""
+    if device in ("cpu", "mps") or cluster_gpus <= 0:
+        if device == "cuda":
+            raise ValueError("device is cuda, but the Ray cluster has no GPU")
+        return 0.0
+    return 1.0 if cluster_gpus >= replicas else round(cluster_gpus / replicas, 4)
+
+
+def build_application(settings: Settings, replicas: int, engine_num_cpus: float = 1.0,
+                      engine_num_gpus: float = 0.0) -> Application:
     """The Serve application for `replicas` engines behind one ingress."""
     if replicas < 1:
         raise ValueError("replicas must be at least 1")
@@ -141,7 +154,7 @@ def build_application(settings: Settings, replicas: int, engine_num_cpus: float 
     # generations, it would time out, and a busy replica would be taken for a dead one.
     max_ongoing = settings.max_batch + settings.max_queue + CONTROL_HEADROOM
     engines = [ENGINE_DEPLOYMENT.options(name=engine_name(i), max_ongoing_requests=max_ongoing,
-                                     ray_actor_options={"num_cpus": engine_num_cpus})
+                                     ray_actor_options={"num_cpus": engine_num_cpus, "num_gpus": engine_num_gpus})
                .bind(engine_settings_json(settings, i)) for i in range(replicas)]
     application: Application = INGRESS_DEPLOYMENT.bind(settings_json, *engines)
     return application
@@ -149,10 +162,12 @@ def build_application(settings: Settings, replicas: int, engine_num_cpus: float 
 
 def app_builder(args: dict[str, Any]) -> Application:
     """For `serve run` / a Serve config file (`import_path: gateway.serve_ray.deployments:app_builder`):
-    `args` holds `replicas`, optionally `config` (a TOML file), `engine_num_cpus`, and any setting
-    by name; `TOOLKV_*` environment variables apply as for `toolkv serve`."""
+    `args` holds `replicas`, optionally `config` (a TOML file), `engine_num_cpus`,
+    `engine_num_gpus` (default 0: set 1 for an engine per GPU), and any setting by name;
+    `TOOLKV_*` environment variables apply as for `toolkv serve`."""
     args = dict(args)
     replicas = int(args.pop("replicas", 2))
     engine_num_cpus = float(args.pop("engine_num_cpus", 1.0))
+    engine_gpus = float(args.pop("engine_num_gpus", 0.0))
     settings = load_settings(args.pop("config", None), args)
-    return build_application(settings, replicas, engine_num_cpus)
+    return build_application(settings, replicas, engine_num_cpus, engine_gpus)

@@ -30,7 +30,7 @@ def serve_replicas(settings: Settings) -> int:
     from ray import serve
 
     from gateway.serve_ray import APP_NAME
-    from gateway.serve_ray.deployments import build_application
+    from gateway.serve_ray.deployments import build_application, engine_num_gpus
 
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -40,10 +40,15 @@ def serve_replicas(settings: Settings) -> int:
         # /tmp/ray/ray_current_cluster, which a stopped `ray start --head` leaves behind.
         ray.init(address="local", num_cpus=settings.replicas, include_dashboard=False)
     try:
+        try:
+            gpus = engine_num_gpus(settings.device, ray.cluster_resources().get("GPU", 0.0), settings.replicas)
+        except ValueError as exc:
+            raise CliError(f"--replicas: {exc}", EXIT_FAILURE) from None
         serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")
-        log.info("serving %d engine replicas on Ray Serve at http://%s:%d", settings.replicas, settings.host,
-                 settings.port)
+        serve.run(build_application(settings, settings.replicas, engine_num_gpus=gpus), name=APP_NAME,
+                  route_prefix="/")
+        log.info("serving %d engine replicas (%s GPU each) on Ray Serve at http://%s:%d", settings.replicas,
+                 gpus, settings.host, settings.port)
         _wait_for_stop()
     finally:
         _stop_serving(shared=bool(address), deadline_s=settings.shutdown_grace_s + SHUTDOWN_SLACK_S)
