@@ -66,7 +66,8 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     state.quota = TenantQuota(settings.max_requests_per_key)
     state.preparer = Preparer(max_pending=settings.max_queue)
     state.pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, state.metrics)
-    state.response_homes = ResponseHomes(RESPONSE_HOMES)
+    # an upstream keeps max_stored_responses per key: more than all of theirs is never needed
+    state.response_homes = ResponseHomes(RESPONSE_HOMES, settings.max_stored_responses * len(settings.upstreams))
     state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)

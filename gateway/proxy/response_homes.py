@@ -19,27 +19,50 @@ RESPONSE_ID_PREFIX = "resp_"
 
 
 class ResponseHomes:
-    def __init__(self, capacity: int) -> None:
+    """Per tenant, the last `per_tenant` response ids relayed (so one busy key cannot push the
+    others' out), and at most `capacity` in all (the least recently used tenant's go first)."""
+
+    def __init__(self, capacity: int, per_tenant: int) -> None:
         self.capacity = capacity
-        self._homes: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.per_tenant = per_tenant
+        self._tenants: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+        self._size = 0
 
     def remember(self, tenant: str, response_id: str, upstream: str) -> None:
-        if self.capacity <= 0:
+        if self.capacity <= 0 or self.per_tenant <= 0:
             return
-        key = (tenant, response_id)
-        self._homes[key] = upstream
-        self._homes.move_to_end(key)
-        while len(self._homes) > self.capacity:
-            self._homes.popitem(last=False)
+        homes = self._tenants.setdefault(tenant, OrderedDict())
+        self._tenants.move_to_end(tenant)
+        self._size += response_id not in homes
+        homes[response_id] = upstream
+        homes.move_to_end(response_id)
+        if len(homes) > self.per_tenant:
+            homes.popitem(last=False)
+            self._size -= 1
+        while self._size > self.capacity:
+            oldest_tenant, oldest = next(iter(self._tenants.items()))
+            oldest.popitem(last=False)
+            self._size -= 1
+            if not oldest:
+                del self._tenants[oldest_tenant]
 
     def home(self, tenant: str, response_id: str) -> str | None:
-        upstream = self._homes.get((tenant, response_id))
-        if upstream is not None:
-            self._homes.move_to_end((tenant, response_id))
+        homes = self._tenants.get(tenant)
+        upstream = homes.get(response_id) if homes is not None else None
+        if homes is not None and upstream is not None:
+            homes.move_to_end(response_id)
+            self._tenants.move_to_end(tenant)
         return upstream
 
     def forget(self, tenant: str, response_id: str) -> None:
-        self._homes.pop((tenant, response_id), None)
+        homes = self._tenants.get(tenant)
+        if homes is not None and homes.pop(response_id, None) is not None:
+            self._size -= 1
+            if not homes:
+                del self._tenants[tenant]
+
+    def __len__(self) -> int:
+        return self._size
 
 
 def answer_response_id(content: bytes) -> str | None:

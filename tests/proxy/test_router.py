@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from gateway.proxy.response_homes import ResponseHomes
 from gateway.proxy.routing import AffinityRouter, affinity_key, make_router
 
 URLS = tuple(f"http://10.0.0.{n}:8000" for n in range(1, 6))
@@ -99,3 +100,17 @@ def test_round_robin_takes_turns_whatever_the_group_and_puts_the_down_last():
     route = router.route(KEYS[1], {}, down={URLS[0]})
     assert route.order == (URLS[1], URLS[2], URLS[0]) and route.reason == "turn"
     assert isinstance(make_router(URLS, "affinity", max_in_flight=4), AffinityRouter)
+
+
+def test_response_homes_are_kept_per_tenant_and_bounded_in_all():
+    homes = ResponseHomes(capacity=5, per_tenant=3)
+    for n in range(4):
+        homes.remember("busy", f"resp_{n}", "http://a")
+    assert [homes.home("busy", f"resp_{n}") for n in range(4)] == [None, "http://a", "http://a", "http://a"]
+    homes.remember("quiet", "resp_q", "http://b")
+    assert homes.home("busy", "resp_q") is None and homes.home("quiet", "resp_q") == "http://b"  # per tenant
+    homes.remember("other", "resp_o1", "http://b")
+    homes.remember("other", "resp_o2", "http://b")  # 6 > 5: the least recently used tenant's oldest goes
+    assert len(homes) == 5 and homes.home("busy", "resp_1") is None and homes.home("quiet", "resp_q") == "http://b"
+    homes.forget("quiet", "resp_q")
+    assert homes.home("quiet", "resp_q") is None and len(homes) == 4
