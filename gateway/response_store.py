@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:
@@ -47,9 +49,11 @@ class StoredResponse:
 class ResponseStore:
     """Thread-safe: prepare threads look responses up, the event loop adds and deletes them."""
 
-    def __init__(self, max_per_tenant: int) -> None:
+    def __init__(self, max_per_tenant: int, max_bytes_per_tenant: int | None = None) -> None:
         self.max_per_tenant = max_per_tenant
+        self.max_bytes_per_tenant = max_bytes_per_tenant  # None: bounded by count alone
         self._tenants: dict[str, OrderedDict[str, StoredResponse]] = {}
+        self._sizes: dict[str, dict[str, int]] = {}  # per tenant: each response's serialized bytes
         self._lock = threading.Lock()
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
@@ -65,12 +69,19 @@ class ResponseStore:
         """Keep `stored` for `tenant`, dropping its least recently used response past the bound."""
         if self.max_per_tenant == 0:
             return
+        size = stored_bytes(stored)
+        if self.max_bytes_per_tenant is not None and size > self.max_bytes_per_tenant:
+            return  # larger than the whole budget: kept nowhere, as with `store: false`
         with self._lock:
             responses = self._tenants.setdefault(tenant, OrderedDict())
+            sizes = self._sizes.setdefault(tenant, {})
             responses[stored.response_id] = stored
             responses.move_to_end(stored.response_id)
-            while len(responses) > self.max_per_tenant:
-                responses.popitem(last=False)
+            sizes[stored.response_id] = size
+            while len(responses) > self.max_per_tenant or (
+                    self.max_bytes_per_tenant is not None and sum(sizes.values()) > self.max_bytes_per_tenant):
+                dropped, _ = responses.popitem(last=False)
+                del sizes[dropped]
 
     def delete(self, tenant: str, response_id: str) -> bool:
         """Forget `tenant`'s response `response_id`; False when there was none. Responses that
@@ -79,10 +90,16 @@ class ResponseStore:
             responses = self._tenants.get(tenant)
             if responses is None or responses.pop(response_id, None) is None:
                 return False
+            self._sizes[tenant].pop(response_id, None)
             if not responses:
-                del self._tenants[tenant]
+                del self._tenants[tenant], self._sizes[tenant]
             return True
 
     def __len__(self) -> int:
         with self._lock:
             return sum(len(responses) for responses in self._tenants.values())
+
+
+def stored_bytes(stored: StoredResponse) -> int:
+    """What a stored response weighs, as serialized JSON (its body, its input items, its turn)."""
+    return sum(len(orjson.dumps(part)) for part in (stored.body, stored.input_items, stored.turn.messages))

@@ -53,7 +53,8 @@ router = APIRouter()
 
 def install(app: FastAPI) -> None:
     """The routes, and the store `previous_response_id` and GET read (sized by `max_stored_responses`)."""
-    app.state.responses = ResponseStore(app.state.settings.max_stored_responses)
+    settings = app.state.settings
+    app.state.responses = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes)
     app.include_router(router)
     app.include_router(retrieval_router)
 

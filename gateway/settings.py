@@ -57,6 +57,7 @@ class Settings(BaseModel):
     kv_block_tokens: int = Field(16, ge=1)  # tokens per block of the KV pool
     # Responses API: responses kept per API key for `previous_response_id` (LRU); 0 keeps none
     max_stored_responses: int = Field(1024, ge=0)
+    max_stored_response_bytes: int = Field(64 * 1024**2, ge=0)  # and at most this much JSON per API key
 
     # cache
     cache: Literal["on", "off"] = "on"

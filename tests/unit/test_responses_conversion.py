@@ -10,7 +10,7 @@ from typing import Any
 
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
-from gateway.response_store import ResponseStore, StoredResponse, Turn
+from gateway.response_store import ResponseStore, StoredResponse, Turn, stored_bytes
 from gateway.responses_output import ResponseShape, output_of
 from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.responses_retrieval import InputItemsQuery, listed_items, page
@@ -276,3 +276,19 @@ def test_pages_run_newest_first_by_default_and_continue_after_an_item():
     assert ids(order="asc", limit="2", after="i1") == (["i2", "i3"], True)
     assert ids(order="asc", after="i3") == (["i4"], False)
     assert ids(limit="3", after="i4") == (["i3", "i2", "i1"], True)
+
+
+def test_the_store_keeps_at_most_its_byte_budget_per_tenant():
+    def stored(n: int, text: str) -> StoredResponse:
+        return StoredResponse(Turn(f"resp_{n}", ({"role": "user", "content": text},)), {"id": f"resp_{n}"})
+
+    size = stored_bytes(stored(0, "x" * 1000))
+    store = ResponseStore(max_per_tenant=100, max_bytes_per_tenant=size * 3)
+    for n in range(5):
+        store.put("a", stored(n, "x" * 1000))
+    store.put("b", stored(9, "x" * 1000))
+    assert [store.get("a", f"resp_{n}") is not None for n in range(5)] == [False, False, True, True, True]
+    assert store.get("b", "resp_9") is not None  # each tenant has its own budget
+    store.put("a", stored(7, "x" * (size * 4)))  # over the whole budget: kept nowhere, evicts nothing
+    assert store.get("a", "resp_7") is None and store.get("a", "resp_2") is not None
+    assert store.delete("a", "resp_2") and len(store) == 3
