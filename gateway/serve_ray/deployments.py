@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
+from ray.serve.schema import LoggingConfig
 from starlette.types import ASGIApp
 
 from gateway.serve_ray import engine_name
@@ -126,7 +127,10 @@ def configure_replica_logging(settings: Settings) -> None:
 
 
 # Plain classes above, wrapped here: mypy keeps a decorated class's own type (no `.options`/`.bind`).
-ENGINE_DEPLOYMENT: Any = serve.deployment(num_replicas=1)(EngineReplica)
+# No Serve access log on the engines: every call to them is the ingress's (a request, which the
+# replica's own request line reports, or a probe every upstream_probe_s), one line each otherwise.
+ENGINE_DEPLOYMENT: Any = serve.deployment(num_replicas=1,
+                                          logging_config=LoggingConfig(enable_access_log=False))(EngineReplica)
 INGRESS_DEPLOYMENT: Any = serve.deployment(name="ingress", num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,
                                            ray_actor_options={"num_cpus": 0})(serve.ingress()(Ingress))
 
