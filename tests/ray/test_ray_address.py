@@ -137,7 +137,10 @@ def toolkv_on(head: Head, model_dir: Path, cache_dir: Path) -> Iterator[str]:
         yield base_url
     finally:
         left = stop_tree(serving, descendants_of(serving))
-    assert serving.returncode == 0, log.read_text(errors="replace")[-4000:]  # a clean stop on SIGTERM
+    # It stops on SIGTERM (the app is deleted from the cluster, nothing is left running), but Ray's
+    # own SIGTERM handler in a driver joined to a cluster (logging.cc, "*** SIGTERM received") may
+    # abort the process as it does: exit 0 or -6 (SIGABRT), never a hang or a leftover process.
+    assert serving.returncode in (0, -signal.SIGABRT), log.read_text(errors="replace")[-4000:]
     assert not left, f"processes of toolkv serve still running: {left}"
 
 
