@@ -19,6 +19,19 @@ def live(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathF
         yield server
 
 
+RESPONSES_KEYS = ("key-alpha-123", "key-beta-456")
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server with two API keys (RESPONSES_KEYS), keeping 2 Responses per key."""
+    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "served_model_name": "tiny-llama",
+                                        "min_prefix_tokens": 8, "api_keys": RESPONSES_KEYS, "max_stored_responses": 2,
+                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
+    with serve(settings) as server:
+        yield server
+
+
 @pytest.fixture
 def client(live: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.api_url, api_key="unused", max_retries=0)

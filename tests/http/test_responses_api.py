@@ -19,12 +19,13 @@ from openai.types.responses import Response, ResponseStreamEvent
 from gateway.app import create_app
 from gateway.settings import load_settings
 from tests.clients.scenario import ORDER_ARGS, ORDER_ID, hermes_calls, tool_result
-from tests.support.server import serve, serve_app
+from tests.http.conftest import RESPONSES_KEYS
+from tests.support.server import serve_app
 from tests.tools.models import script, scripted_runtime
 
 MODEL = "tiny-llama"
 INSTRUCTIONS = "You are a merchant assistant."
-KEYS = ("key-alpha-123", "key-beta-456")
+KEYS = RESPONSES_KEYS
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
 ORDER_TOOL = {"type": "function", "name": "get_order_details", "description": "Get the details of an order.",
@@ -312,15 +313,6 @@ def test_sdk_raises_typed_errors(client):
 
 
 # ---- tenants -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def secured(tiny_model_dir, tmp_path_factory):
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "served_model_name": MODEL,
-                                        "min_prefix_tokens": 8, "api_keys": KEYS, "max_stored_responses": 2,
-                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
-    with serve(settings) as live:
-        yield live
 
 
 def test_a_response_id_is_only_visible_to_its_own_api_key(secured):

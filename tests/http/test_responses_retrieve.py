@@ -16,12 +16,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from openai.types.responses import Response, ResponseItemList
 
-from gateway.settings import load_settings
 from tests.conftest import SHARED
-from tests.support.server import serve
+from tests.http.conftest import RESPONSES_KEYS
 
 MODEL = "tiny-llama"
-KEYS = ("key-alpha-123", "key-beta-456")
+KEYS = RESPONSES_KEYS
 STRICT_SPEC = SHARED / "openai-spec" / "openai_chat_schemas.strict.json"
 ITEMS = [
     {"role": "developer", "content": "Be brief."},
@@ -165,15 +164,6 @@ def test_bad_list_queries_are_a_400_naming_the_field(live, query, param):
 
 
 # ---- tenants -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def secured(tiny_model_dir, tmp_path_factory):
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "served_model_name": MODEL,
-                                        "min_prefix_tokens": 8, "api_keys": KEYS, "max_stored_responses": 2,
-                                        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
-    with serve(settings) as live:
-        yield live
 
 
 def test_another_keys_response_is_not_found_and_cannot_be_deleted(secured):
