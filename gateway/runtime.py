@@ -6,9 +6,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
-from gateway.engine import Engine
+from gateway.engine import Engine, attention
 from gateway.engine.chunks import turn_opening
+from gateway.engine.model_runner import Backend
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
@@ -69,14 +72,16 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     tokenizer = loaded.tokenizer
     family = (get_family(settings.adapter) if settings.adapter != "auto" else
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
-    # The prefill chunk size decides a group's KV bits (see gateway/engine/model_runner.py).
+    plan = engine_plan(settings, loaded.device)
+    # The chunk size and the kernels decide a group's KV bits (see gateway/engine/model_runner.py).
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
-                             f"{family.name}-{ADAPTER_VERSION}-chunk{settings.prefill_chunk_tokens}")
+                             f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
     store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
     engine = Engine(loaded.model, tokenizer, store, identity, min_prefix_tokens=settings.min_prefix_tokens,
                     max_queue=settings.max_queue, device=loaded.device, pool_bytes=settings.ram_budget_bytes,
-                    block_tokens=settings.kv_block_tokens, chunk_tokens=settings.prefill_chunk_tokens,
-                    max_batch=settings.max_batch)
+                    block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
+                    max_batch=plan.max_batch, backend=plan.backend, batch_invariant=plan.batch_invariant,
+                    cuda_graphs=settings.cuda_graphs)
     service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
@@ -88,6 +93,34 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)
     return Runtime(loaded, engine, service, store, metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    """The engine's device-dependent settings, resolved."""
+
+    backend: Backend
+    batch_invariant: bool
+    chunk_tokens: int
+    max_batch: int
+
+    @property
+    def kernels(self) -> str:
+        """What decides the KV bits besides the model and the chunks, for the cache key."""
+        return f"{self.backend}{'-invariant' if self.batch_invariant else ''}"
+
+
+def engine_plan(settings: Settings, device: torch.device) -> EnginePlan:
+    gpu = device.type == "cuda"
+    backend: Backend = "torch"
+    if settings.attention_backend == "triton" or (settings.attention_backend == "auto" and gpu):
+        if attention.available(device):
+            backend = "triton"
+        elif settings.attention_backend == "triton":
+            raise ModelLoadFailed("attention_backend = triton needs CUDA and Triton (pip install triton)")
+    invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
+    return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
+                      settings.max_batch or (64 if gpu else 8))
 
 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:

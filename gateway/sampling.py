@@ -76,6 +76,13 @@ class Sampler:
         self._counts: torch.Tensor | None = None  # per token: how often this sequence sampled it
         self.last_logprob: TokenLogprob | None = None  # the last token's, when `params.logprobs`
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to apply (no bias, penalty, grammar or logprobs): the next token is
+        the argmax of the logits, which the engine takes for many rows at once on the device."""
+        return (self.params.temperature < GREEDY_BELOW and self._bias is None and not self._penalize
+                and not self.params.logprobs and self.constraint is None)
+
     def next_token(self, logits: torch.Tensor) -> int:
         """`logits`: [vocab] for the last position. Non-finite logits raise NonFiniteLogits
         (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""

@@ -52,8 +52,17 @@ class Settings(BaseModel):
     # OpenAI cuts: finish "length")
     constrained_reserve_tokens: int = Field(48, ge=0)
     max_queue: int = Field(64, ge=1)  # requests waiting for the engine, beyond the running batch
-    max_batch: int = Field(8, ge=1)  # sequences the engine runs at once (continuous batching)
-    prefill_chunk_tokens: int = Field(128, ge=16)  # prompt tokens a step computes beside the decodes
+    # sequences the engine runs at once (continuous batching); None: 8 on the CPU, 64 on a GPU
+    max_batch: int | None = Field(None, ge=1)
+    # prompt tokens a step computes beside the decodes; None: 128 on the CPU, 2048 on a GPU
+    prefill_chunk_tokens: int | None = Field(None, ge=16)
+    # attention over the KV pool: "triton" (CUDA kernels + decode CUDA graphs), "torch" (per sequence,
+    # the CPU's); auto: triton on CUDA when Triton is installed
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # a sequence's tokens never depend on what else is batched with it (bitwise); None: on for the
+    # CPU, off on a GPU, where it costs one matrix product per sequence (docs/engine.md)
+    batch_invariant: bool | None = None
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (triton backend)
     kv_block_tokens: int = Field(16, ge=1)  # tokens per block of the KV pool
     # Responses API: responses kept per API key for `previous_response_id` (LRU); 0 keeps none
     max_stored_responses: int = Field(1024, ge=0)

@@ -5,8 +5,8 @@ Memory is cut into fixed-size blocks of `block_tokens` tokens, ref-counted. A ho
 sequence, the RAM tier, a pending disk write) takes a *run*: consecutive blocks, so that a run's
 keys for one layer are one strided view `[kv_heads, tokens, head_dim]` with no gather. Attention on
 this CPU reads those views directly; gathering scattered pages into a contiguous tensor costs a
-copy of the whole context per layer per step, which is what makes paged attention slower than
-serving one request at a time here (see ../shared/research/engine-v2.md and the README).
+copy of the whole context per layer per step. On CUDA the Triton kernels (engine/attention.py)
+read a sequence's two runs in place by their pool offsets.
 
 A run is shared by reference counting: the tool group's run is held by the RAM tier and by every
 sequence that uses it, and written by no one after its compile. Blocks whose count drops to zero
@@ -97,11 +97,16 @@ class BlockPool:
         self.block_tokens = block_tokens
         self.num_blocks = max(0, budget_bytes // (shape.bytes_per_token * block_tokens))
         tokens = self.num_blocks * block_tokens
+        # One more token than the blocks hold: the scratch slot that a CUDA graph's padding rows
+        # write and read (engine/cuda_graphs.py), never part of a run.
+        self.scratch_token = tokens
         # torch.empty reserves address space; pages become resident as blocks are first written.
-        self.keys = [torch.empty((shape.kv_heads, tokens, shape.head_dim), dtype=shape.dtype, device=device)
+        # A GPU pool is zeroed: no slot a padding row reads ever holds NaN bits.
+        self.keys = [torch.zeros((shape.kv_heads, tokens + 1, shape.head_dim), dtype=shape.dtype, device=device)
+                     if device.type == "cuda" else
+                     torch.empty((shape.kv_heads, tokens + 1, shape.head_dim), dtype=shape.dtype, device=device)
                      for _ in range(shape.num_layers)]
-        self.values = [torch.empty((shape.kv_heads, tokens, shape.head_dim), dtype=shape.dtype, device=device)
-                       for _ in range(shape.num_layers)]
+        self.values = [torch.zeros_like(k) if device.type == "cuda" else torch.empty_like(k) for k in self.keys]
         self._refs = [0] * self.num_blocks
         self._lock = threading.Lock()
         self.num_used = 0

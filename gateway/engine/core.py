@@ -7,9 +7,10 @@ The step loop (`_run`), in order:
    reserve blocks for the rest (evicting unused cached groups if the pool is full; a job that does
    not fit yet waits, one that never can is refused at submit);
 3. drop sequences whose client went away, freeing their blocks at once;
-4. run one step: prompt chunks within the step's token budget (scheduler.py), then one batched
-   forward over every decoding sequence's next token;
-5. sample per sequence, emit its text, and finish sequences that are done.
+4. run one step: one forward over a flat batch of every decoding sequence's next token and the
+   prompt chunks within the step's token budget (scheduler.py, model_runner.py);
+5. sample (the plain greedy rows in one batched argmax on the device, the others per sequence),
+   emit text, and finish sequences that are done.
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
 sequences' steps) and stores them, starting from the longest prefix it shares with a cached group
@@ -37,6 +38,7 @@ import torch
 
 from gateway.engine.block_pool import BlockPool, BlockRun
 from gateway.engine.chunks import chunk_ends, next_end
+from gateway.engine.cuda_graphs import DecodeGraphs
 from gateway.engine.events import (
     CacheResult,
     Failed,
@@ -49,7 +51,7 @@ from gateway.engine.events import (
     TooLarge,
 )
 from gateway.engine.model_info import eos_ids, pool_shape, special_ids
-from gateway.engine.model_runner import ModelRunner, RowKV
+from gateway.engine.model_runner import Backend, ModelRunner, RowKV
 from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
@@ -57,7 +59,7 @@ from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
-from gateway.sampling import Sampler, SamplingParams, TextStream, all_finite
+from gateway.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
-                 max_batch: int = 8, turn_opening: tuple[int, ...] = ()) -> None:
+                 max_batch: int = 8, turn_opening: tuple[int, ...] = (), backend: Backend = "torch",
+                 batch_invariant: bool = True, cuda_graphs: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -83,8 +86,9 @@ class Engine:
         self.max_batch = max_batch
         self.eos_ids = eos_ids(model, tokenizer)
         self.special_ids = special_ids(tokenizer)
-        self.runner = ModelRunner(model, device)
         self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
+        self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
+        self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
         self.scheduler = Scheduler(chunk_tokens)
         self.turn_opening = turn_opening  # where prompt chunks are cut (chunks.py)
         self.conversation_reuse = True  # keep finished prompts' KV for the next turn, and use it
@@ -110,7 +114,35 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Warm up, then serve: the runtime (and so `/health`) is ready only after this."""
+        self.warm_up()
         self._thread.start()
+
+    def warm_up(self) -> None:
+        """What a first request would otherwise pay once: one pass of each shape the engine runs
+        (a whole prompt chunk, one decode row; kernels compile, allocators settle), and on CUDA the
+        decode graphs. Before the engine thread starts, so it owns the model alone here."""
+        started = time.perf_counter()
+        chunk = max(1, min(self.scheduler.chunk_tokens, self.pool.num_blocks * self.pool.block_tokens - 1))
+        run = self.pool.allocate(chunk + 1)
+        if run is not None:
+            try:
+                self.runner.forward([[0] * chunk], [RowKV(None, run, 0, 0)])
+                self.runner.forward([[0]], [RowKV(None, run, chunk, chunk)])
+            finally:
+                run.release()
+        if self.cuda_graphs:
+            graphs = DecodeGraphs(self.runner, self.max_batch)
+            try:
+                graphs.capture()
+                self.runner.graphs = graphs
+            except Exception:  # a model whose forward cannot be captured still serves, eagerly
+                log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("engine warm-up: %.1fs (%s attention, batch invariant %s, CUDA graphs %s)",
+                 time.perf_counter() - started, self.runner.backend, self.runner.batch_invariant,
+                 self.runner.graphs is not None)
 
     def stop(self) -> None:
         self._intake.put(None)
@@ -203,12 +235,13 @@ class Engine:
             raise TooLarge("the KV pool has no room for the suffix now")
         try:
             group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
+            group_start = entry.blocks.token_start if entry.blocks is not None else -1
             prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
             ends = chunk_ends(prompt, start, self.scheduler.chunk_tokens, self.turn_opening)
             done = start
             while done < len(prompt):
                 end = next_end(ends, done)
-                self.runner.prefill(prompt[done:end], RowKV(group, run, done - start, done))
+                self.runner.forward([prompt[done:end]], [RowKV(group, run, done - start, done, group_start)])
                 done = end
         finally:
             run.release()
@@ -282,11 +315,26 @@ class Engine:
             self._retire(seq)
 
     def _step(self, plan: StepPlan) -> None:
+        """One forward over the decode rows (first: the batch-invariant split wants them there) and
+        the prompt chunks; chunks are handled first, so a new request's first token waits for no
+        sampling of the others."""
         started = time.perf_counter()
-        for seq, start, end in plan.prefill:  # first: a new request's first token waits for no decode
-            self._prefill(seq, start, end)
+        seqs = [*plan.decode, *(seq for seq, _, _ in plan.prefill)]
+        tokens = [[seq.next_token] for seq in plan.decode] + [seq.prompt[a:b] for seq, a, b in plan.prefill]
+        try:
+            rows = [seq.row(len(t)) for seq, t in zip(seqs, tokens, strict=True)]
+            logits = self.runner.forward(tokens, rows)  # type: ignore[arg-type]
+        except Exception as exc:
+            for seq in seqs:
+                self._fail(seq, exc)
+            return
+        decoded = len(plan.decode)
+        for index, (seq, _, end) in enumerate(plan.prefill):
+            self._chunk_done(seq, end, logits[decoded + index], started)
         if plan.decode:
-            self._decode(plan.decode)
+            self._decode(plan.decode, logits[:decoded])
+            self.decode_s += time.perf_counter() - started
+            self.decode_steps += 1
         self.num_steps += 1
         self._steps.add(StepRecord(len(plan.decode) + len(plan.prefill), plan.num_tokens,
                                    time.perf_counter() - started))
@@ -418,6 +466,8 @@ class Engine:
         entry.touch()
         if entry.blocks is None:  # read from disk: copy it into the pool (when there is room)
             entry = self._place(entry, salt)
+            if entry.blocks is None and self.runner.reads_pool_only:
+                raise _Hold  # the kernels read only the pool: wait until there is room for it
         else:
             entry.retain()
         self.store.lock(entry)
@@ -452,34 +502,43 @@ class Engine:
 
     # ---- running -----------------------------------------------------------------------------
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        try:
-            started = time.perf_counter()
-            logits = self.runner.decode([s.next_token for s in seqs],  # type: ignore[misc]
-                                        [s.row(1) for s in seqs])
-            self.decode_s += time.perf_counter() - started
-            self.decode_steps += 1
-        except Exception as exc:
-            for seq in seqs:
-                self._fail(seq, exc)
-            return
-        for seq, row_logits in zip(seqs, logits, strict=True):
+    def _decode(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample each decode row: the plain greedy ones by one argmax over their rows on the
+        device (one transfer for all), the others per sequence, from one copy of their rows."""
+        plain = [i for i, seq in enumerate(seqs) if seq.sampler.plain]
+        picked: dict[int, tuple[int, int]] = {}
+        if plain:
+            rows = logits if len(plain) == len(seqs) else logits[plain]
+            best, ok = torch.argmax(rows, dim=-1), torch.isfinite(rows.amax(dim=-1))
+            picked = dict(zip(plain, zip(*torch.stack([best, ok.long()]).tolist(), strict=True), strict=True))
+        others = [i for i in range(len(seqs)) if i not in picked]
+        host = dict(zip(others, self._host(logits[others]) if others else (), strict=True))
+        for index, seq in enumerate(seqs):
             try:
-                self._advance(seq, row_logits)
+                if index in picked:
+                    token, finite = picked[index]
+                    if not finite:
+                        raise NonFiniteLogits("the model produced non-finite logits")
+                    self._take(seq, token)
+                else:
+                    self._advance(seq, host[index])
             except Exception as exc:  # non-finite logits, a grammar that refused a token: this one only
                 self._fail(seq, exc)
 
-    def _prefill(self, seq: Sequence, start: int, end: int) -> None:
+    def _host(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows a sequence samples from itself (penalties, grammar, logprobs, temperature): on the
+        CPU, where its sampler keeps its state, in one copy."""
+        return logits.cpu() if logits.device.type != "cpu" else logits
+
+    def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, started: float) -> None:
         try:
-            forward_started = time.perf_counter()
-            logits = self.runner.prefill(seq.prompt[start:end], seq.row(end - start))
             if seq.phase is Phase.PROMPT:
-                seq.forward_s += time.perf_counter() - forward_started
+                seq.forward_s += time.perf_counter() - started
             seq.computed = end
             if seq.phase is Phase.GROUP and end == seq.group_len:
                 self._group_done(seq)
             elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
-                self._prompt_done(seq, logits)
+                self._prompt_done(seq, logits if seq.sampler.plain else self._host(logits))
         except Exception as exc:
             self._fail(seq, exc)
 
@@ -535,11 +594,15 @@ class Engine:
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
-        job = seq.job
         token = seq.sampler.next_token(logits)
         if seq.sampler.constraint is not None:
             self.constrained_tokens += 1
             self.constraint_s += seq.sampler.constraint_s
+        self._take(seq, token)
+
+    def _take(self, seq: Sequence, token: int) -> None:
+        """`token` is the next token of `seq`: emit its text, and finish or queue it."""
+        job = seq.job
         seq.generated += 1
         if token in self.eos_ids:
             self._finish(seq, "stop", seq.generated - 1)

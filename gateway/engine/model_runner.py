@@ -1,55 +1,61 @@
-"""The model runner: forward passes over the block pool.
+"""The model runner: one forward pass per engine step over a flat batch.
 
-Two kinds of pass, both through the model's own transformers code with one attention function
-registered in transformers' `AttentionInterface`:
-- `decode(rows)`: one forward over the next token of every decoding sequence, `[B, 1]`, each row
-  at its own position;
-- `prefill(row, ids)`: one forward over a chunk of one sequence's prompt, `[1, n]`.
+Every token a step computes (the next token of each decoding sequence, then the prompt chunks)
+goes through the model's own transformers code as one `[1, T]` batch with per-token positions, so
+each linear layer is one matrix product over all T tokens. Attention is the one function toolkv
+registers in transformers' `AttentionInterface`; it writes the step's new keys and values into
+the block pool and reads every sequence's KV in place, in one of two ways (`backend`):
+- "triton" (CUDA): the kernels of engine/attention.py over per-sequence metadata, and decode-only
+  steps replayed from CUDA graphs captured at start-up per batch-size bucket (nano-vllm's scheme);
+- "torch" (the CPU, or a GPU without Triton): per sequence, over the pool's strided views (a
+  decode row: scores per segment, one softmax, `probs @ v` per segment; a prompt chunk: torch's
+  fused SDPA over the segments joined into one copy).
 
-Why the output never depends on the batch (checked bitwise in tests/engine/test_batching.py):
-- linear layers on a `[B, 1, in]` batch run as B matrix-vector products (`matmul` against the
-  weight with a batch dimension), the very kernel a `[1, 1, in]` pass runs; a plain `F.linear`
-  over `[B, in]` picks a matrix-matrix kernel whose rounding differs from one row's;
-- attention runs per sequence over that sequence's own KV, in the same shapes whatever else is
-  in the batch; everything else in these models is per-token.
-And why it never depends on the cache: a sequence's KV is always two segments, its tool group
-`[0, G)` and its own tokens after it, and prompts are prefilled in chunks whose boundaries are
-fixed by position (multiples of `chunk_tokens` inside each segment). A hit, a miss and a bypass
-therefore run exactly the same operations on the same numbers.
-
-A decode step's attention reads the pool's strided views without copying them (scores per
-segment, one softmax, `probs @ v` per segment); a prompt chunk's runs torch's fused SDPA over the
-segments joined into one contiguous copy. Which of the two runs depends only on the chunk's
-length, never on the cache or the batch.
+What the output may depend on (tests/engine/test_batching.py, test_cached_equals_uncached.py):
+- never on the cache: a sequence's KV is two segments, its tool group `[0, G)` and its own tokens,
+  and prompts are computed in chunks whose boundaries are a function of the token ids (chunks.py).
+  A hit, a miss and a bypass served alone therefore run the same operations on the same numbers.
+- on the batch only when `batch_invariant` is off. A matrix product's rounding depends on how many
+  rows it has, so a flat batch rounds a sequence's linears differently from the same sequence
+  alone. With `batch_invariant` on (the CPU's default), each linear runs per sequence instead: the
+  decode rows as one matrix-vector product each (`matmul` with a batch dimension: the kernel one
+  row alone runs), each prompt chunk as its own product; attention is per sequence on both
+  backends. Batched == alone then holds bitwise, at the cost of one product per sequence.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from gateway.engine.block_pool import BlockRun
+from gateway.engine import attention
+from gateway.engine.attention import KVLayout
+from gateway.engine.block_pool import BlockPool, BlockRun
 
 ATTENTION_NAME = "toolkv_blocks"
-_ROWS_KWARG = "toolkv_rows"
+_STEP_KWARG = "toolkv_step"
+Backend = Literal["torch", "triton"]
 
 
 @dataclass(slots=True)
 class RowKV:
     """Where one sequence of a forward pass reads and writes its KV.
 
-    `group`: per layer, the tool group's keys and values `[kv_heads, G, dim]` (read only), or None.
-    `own`: the run the new tokens are written to, after its first `own_len` tokens.
-    `position`: the absolute position of the first new token (= G + own_len)."""
+    `group`: per layer, the tool group's keys and values `[kv_heads, G, dim]` (read only), or None;
+    `group_start`: the pool token where those keys start (-1: not in the pool, a disk entry used
+    from its own tensors; the torch backend only). `own`: the run the new tokens are written to,
+    after its first `own_len` tokens. `position`: the absolute position of the first new token
+    (= G + own_len)."""
 
     group: list[tuple[torch.Tensor, torch.Tensor]] | None
     own: BlockRun
     own_len: int
     position: int
+    group_start: int = -1
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @property
@@ -74,30 +80,65 @@ class RowKV:
         return found
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """What the attention function of one forward reads (passed through transformers' kwargs):
+    the rows and their token counts (decode rows first), and for the Triton backend the KV layout
+    and the pool slot of every new token."""
+
+    rows: list[RowKV]
+    sizes: list[int]
+    pool: BlockPool
+    layout: KVLayout | None = None
+    slots: torch.Tensor | None = None
+
+    @property
+    def singles(self) -> int:
+        """The leading rows of one token each (decode rows)."""
+        count = 0
+        for size in self.sizes:
+            if size != 1:
+                break
+            count += 1
+        return count
+
+
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None,
                     dropout: float = 0.0, sliding_window: int | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: `query [B, Hq, n, D]`, this pass's new `key`/`value`
-    `[B, Hk, n, D]`; returns `[B, n, Hq, D]`. Writes the new keys/values into each row's run."""
-    rows: list[RowKV] = kwargs[_ROWS_KWARG]
+    """transformers' attention signature: `query [1, Hq, T, D]`, this pass's new `key`/`value`
+    `[1, Hk, T, D]`; returns `[1, T, Hq, D]`. Writes the new keys/values into the pool first."""
+    step: StepInputs = kwargs[_STEP_KWARG]
     layer: int = module.layer_idx  # type: ignore[assignment]
-    new, dim = query.shape[2], query.shape[3]
+    dim = query.shape[3]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    outputs = []
-    for b, row in enumerate(rows):
+    if step.layout is None:
+        return _torch_attention(step, layer, query, key, value, scale, sliding_window), None
+    assert step.slots is not None
+    keys, values = step.pool.keys[layer], step.pool.values[layer]
+    keys.index_copy_(1, step.slots, key[0])
+    values.index_copy_(1, step.slots, value[0])
+    out = torch.empty((query.shape[2], query.shape[1], dim), dtype=query.dtype, device=query.device)
+    attention.attend(query[0].transpose(0, 1), keys, values, step.layout, scale, sliding_window, out)
+    return out[None], None
+
+
+def _torch_attention(step: StepInputs, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float, window: int | None) -> torch.Tensor:
+    outputs, offset = [], 0
+    for row, new in zip(step.rows, step.sizes, strict=True):
         end = row.own_len + new
-        row.own.keys(layer, row.own_len, end).copy_(key[b])
-        row.own.values(layer, row.own_len, end).copy_(value[b])
+        row.own.keys(layer, row.own_len, end).copy_(key[0, :, offset:offset + new])
+        row.own.values(layer, row.own_len, end).copy_(value[0, :, offset:offset + new])
         segments = [*(row.group[layer:layer + 1] if row.group else ()),
                     (row.own.keys(layer, 0, end), row.own.values(layer, 0, end))]
-        hidden = row.hidden(new, sliding_window, query.device)
-        if new == 1:
-            out = _attend_in_place(query[b], segments, hidden, scale)
-        else:
-            out = _attend_chunk(query[b], segments, hidden, scale)
+        hidden = row.hidden(new, window, query.device)
+        q = query[0, :, offset:offset + new]
+        out = _attend_in_place(q, segments, hidden, scale) if new == 1 else _attend_chunk(q, segments, hidden, scale)
         outputs.append(out.transpose(0, 1))
-    return torch.stack(outputs), None
+        offset += new
+    return torch.cat(outputs)[None]
 
 
 def _attend_in_place(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
@@ -133,12 +174,36 @@ def _attend_chunk(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.
     return out[0]
 
 
-def _rowwise_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`F.linear`, except that a batch of single tokens runs as one matrix-vector product per row."""
-    if x.dim() == 3 and x.shape[1] == 1 and x.shape[0] > 1:
-        y = torch.matmul(x, self.weight.t().unsqueeze(0))
-        return y + self.bias if self.bias is not None else y
-    return nn.functional.linear(x, self.weight, self.bias)
+class _Split:
+    """The per-sequence split of the step running now, for batch-invariant linears."""
+
+    def __init__(self) -> None:
+        self.step: StepInputs | None = None
+
+
+def _invariant_linear(split: _Split, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`F.linear` per sequence of the step: `x [1, T, in]` (every token) or `[1, S, in]` (each
+    row's last token, the LM head). Decode rows run as one matrix-vector product each."""
+    step = split.step
+    if step is None or x.dim() != 3 or x.shape[0] != 1:
+        return nn.functional.linear(x, layer.weight, layer.bias)
+    if x.shape[1] == sum(step.sizes):
+        singles, chunks = step.singles, step.sizes[step.singles:]
+    elif x.shape[1] == len(step.sizes):
+        singles, chunks = len(step.sizes), []
+    else:
+        return nn.functional.linear(x, layer.weight, layer.bias)
+    parts = []
+    if singles > 1:
+        rows = torch.matmul(x[0, :singles, None, :], layer.weight.t().unsqueeze(0))
+        parts.append((rows + layer.bias if layer.bias is not None else rows)[:, 0][None])
+    elif singles == 1:
+        parts.append(nn.functional.linear(x[:, :1], layer.weight, layer.bias))
+    offset = singles
+    for size in chunks:
+        parts.append(nn.functional.linear(x[:, offset:offset + size], layer.weight, layer.bias))
+        offset += size
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _register() -> None:
@@ -148,34 +213,105 @@ def _register() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, device: torch.device) -> None:
+    def __init__(self, model: Any, device: torch.device, pool: BlockPool, *, backend: Backend = "torch",
+                 batch_invariant: bool = True) -> None:
         _register()
         self.model = model
         self.device = device
+        self.pool = pool
+        self.backend: Backend = backend
+        self.batch_invariant = batch_invariant
+        self._split = _Split()
+        self.graphs: Any = None  # engine/cuda_graphs.DecodeGraphs, once captured
         model.requires_grad_(False)  # autograd bookkeeping changes which kernels run
         model.config._attn_implementation = ATTENTION_NAME
         for module in model.modules():
             config = getattr(module, "config", None)
             if config is not None and hasattr(config, "_attn_implementation"):
                 config._attn_implementation = ATTENTION_NAME
-            if type(module) is nn.Linear:  # bitsandbytes' 4-bit layers keep their own forward
-                module.forward = _rowwise_linear.__get__(module)  # type: ignore[method-assign]
+            if batch_invariant and type(module) is nn.Linear:  # bitsandbytes' 4-bit layers keep their own
+                module.forward = _bind(self._split, module)  # type: ignore[method-assign]
 
-    def decode(self, tokens: list[int], rows: list[RowKV]) -> torch.Tensor:
-        """Logits `[B, vocab]` for the next token of each row, fed `tokens[b]` at its position."""
-        ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[row.position] for row in rows], dtype=torch.long, device=self.device)
-        return self._forward(ids, positions, rows)[:, -1]
+    @property
+    def reads_pool_only(self) -> bool:
+        """Whether every KV a pass reads must be in the pool (the Triton kernels index it)."""
+        return self.backend == "triton"
 
-    def prefill(self, token_ids: list[int], row: RowKV) -> torch.Tensor:
-        """Logits `[vocab]` after a chunk of one sequence's prompt."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(row.position, row.position + len(token_ids), device=self.device)[None, :]
-        return self._forward(ids, positions, [row])[0, -1]
+    def forward(self, tokens: list[list[int]], rows: list[RowKV]) -> torch.Tensor:
+        """Logits `[S, vocab]` after the last token of each row; `tokens[i]` are row i's new tokens
+        (rows of one token first, for the batch-invariant split)."""
+        sizes = [len(t) for t in tokens]
+        if self.graphs is not None and all(size == 1 for size in sizes) and self.graphs.fits(len(rows)):
+            return self.graphs.replay([t[0] for t in tokens], rows)  # type: ignore[no-any-return]
+        step = self._inputs(rows, sizes)
+        ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[row.position + i for row, size in zip(rows, sizes, strict=True)
+                                   for i in range(size)]], dtype=torch.long, device=self.device)
+        last = torch.tensor(_last_indices(sizes), dtype=torch.long, device=self.device)
+        return self.run(ids, positions, step, last)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: list[RowKV]) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1,
-                             **{_ROWS_KWARG: rows})
-        logits: torch.Tensor = out.logits
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
+            last: torch.Tensor | None) -> torch.Tensor:
+        """The model over `ids [1, T]`: logits `[S, vocab]` at `last` (None: every token)."""
+        self._split.step = step
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                 logits_to_keep=last if last is not None else 0, **{_STEP_KWARG: step})
+        finally:
+            self._split.step = None
+        logits: torch.Tensor = out.logits[0]
         return logits
+
+    def _inputs(self, rows: list[RowKV], sizes: list[int]) -> StepInputs:
+        step = StepInputs(rows, sizes, self.pool)
+        if self.backend == "triton":
+            step.layout, step.slots = build_layout(rows, sizes, self.device)
+        return step
+
+
+def _bind(split: _Split, layer: nn.Linear) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _invariant_linear(split, layer, x)
+    return forward
+
+
+def _last_indices(sizes: list[int]) -> list[int]:
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(total - 1)
+    return ends
+
+
+def layout_columns(rows: list[RowKV], sizes: list[int]) -> list[list[int]]:
+    """Per row: q_start, q_len, group_start, group_len, own_start, own_len (with the new tokens)."""
+    columns: list[list[int]] = [[], [], [], [], [], []]
+    start = 0
+    for row, size in zip(rows, sizes, strict=True):
+        assert row.group_len == 0 or row.group_start >= 0, "the Triton kernels read only the pool"
+        for column, value in zip(columns, (start, size, max(row.group_start, 0), row.group_len,
+                                           row.own.token_start, row.own_len + size), strict=True):
+            column.append(value)
+        start += size
+    return columns
+
+
+def build_layout(rows: list[RowKV], sizes: list[int], device: torch.device) -> tuple[KVLayout, torch.Tensor]:
+    """The kernels' metadata for an eager step, and each new token's pool slot."""
+    columns = layout_columns(rows, sizes)
+    decode = [i for i, size in enumerate(sizes) if size == 1]
+    tile_seq, tile_first = [], []
+    for i, size in enumerate(sizes):
+        if size > 1:
+            for first in range(0, size, attention.PREFILL_BLOCK_M):
+                tile_seq.append(i)
+                tile_first.append(first)
+    table = torch.tensor([*columns, decode + [0] * (len(sizes) - len(decode))], dtype=torch.int32).to(device)
+    tiles = torch.tensor([tile_seq, tile_first], dtype=torch.int32).to(device)
+    slots = torch.tensor([row.own.token_start + row.own_len + i for row, size in zip(rows, sizes, strict=True)
+                          for i in range(size)], dtype=torch.long).to(device)
+    layout = KVLayout(table[0], table[1], table[2], table[3], table[4], table[5], decode_rows=table[6],
+                      tile_seq=tiles[0], tile_first=tiles[1],
+                      num_decode=len(decode), num_tiles=len(tile_seq))
+    return layout, slots

@@ -96,7 +96,16 @@ class Sequence:
             assert self.group_run is not None
             return RowKV(None, self.group_run, self.computed, self.computed)
         position = self.computed if self.phase is Phase.PROMPT else len(self.prompt) + self.generated - 1
-        return RowKV(self.group_kv(), self.own_run, position - self.group_len, position)
+        return RowKV(self.group_kv(), self.own_run, position - self.group_len, position, self.group_start)
+
+    @property
+    def group_start(self) -> int:
+        """The pool token where the group's KV starts; -1 when it is not in the pool."""
+        if self.group_run is not None:
+            return self.group_run.token_start
+        if self.entry is not None and self.entry.blocks is not None:
+            return self.entry.blocks.token_start
+        return -1
 
     def release(self) -> None:
         """Give back every block this sequence holds (its own run, the group it read or wrote)."""

@@ -35,6 +35,7 @@ from gateway.serve_ray.asgi_call import ResponseHead, call_asgi
 from gateway.settings import Settings, load_settings
 
 CONTROL_HEADROOM = 8
+MAX_AUTO_BATCH = 64  # max_batch unset: the most an engine may run (a GPU replica's default)
 INGRESS_MAX_ONGOING = 1024  # Ray Serve's default (5) would cap the whole fleet at 5 requests
 
 
@@ -42,7 +43,7 @@ def replica_settings(settings: Settings) -> Settings:
     """A replica is reached only through the ingress: any Host, no upstreams, and a per-key quota
     the ingress already enforced (a replica would otherwise apply it a second time, per replica)."""
     return Settings(**{**settings.model_dump(), "upstreams": (), "allowed_hosts": ("*",),
-                       "max_requests_per_key": settings.max_queue + settings.max_batch})
+                       "max_requests_per_key": settings.max_queue + (settings.max_batch or MAX_AUTO_BATCH)})
 
 
 def engine_settings_json(settings: Settings, index: int) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def build_application(settings: Settings, replicas: int, engine_num_cpus: float 
     # What the model app admits, plus room for the control calls (the ingress's /health probe every
     # upstream_probe_s, /metrics, /v1/cache): at saturation Ray would queue a probe behind the
     # generations, it would time out, and a busy replica would be taken for a dead one.
-    max_ongoing = settings.max_batch + settings.max_queue + CONTROL_HEADROOM
+    max_ongoing = (settings.max_batch or MAX_AUTO_BATCH) + settings.max_queue + CONTROL_HEADROOM
     engines = [ENGINE_DEPLOYMENT.options(name=engine_name(i), max_ongoing_requests=max_ongoing,
                                      ray_actor_options={"num_cpus": engine_num_cpus, "num_gpus": engine_num_gpus})
                .bind(engine_settings_json(settings, i)) for i in range(replicas)]
