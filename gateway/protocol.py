@@ -15,9 +15,9 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 from gateway.errors import APIError
@@ -102,6 +102,41 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class AllowedTool(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Lenient):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Lenient):
+    """Calls restricted to a subset of `tools`, which are all still rendered into the prompt (so the
+    tool group, and its cached KV, is the same whatever the subset)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(tool.function.name for tool in self.allowed_tools.tools)
+
+
+def _choice_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "Mode"
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "AllowedTools" if kind == "allowed_tools" else "Named"
+
+
+# Tags start with a capital so error locations name the field, not the union member.
+ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode")]
+                       | Annotated[NamedToolChoice, Tag("Named")]
+                       | Annotated[AllowedToolsChoice, Tag("AllowedTools")], Discriminator(_choice_kind)]
+
+
 class JsonSchemaFormat(_Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
@@ -161,7 +196,7 @@ class ChatCompletionRequest(_Lenient):
     model: str | None = None
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -263,6 +298,22 @@ class ChatCompletionRequest(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required"]:
+        """Whether the answer may (`auto`) or must (`required`, a named function) call a tool."""
+        choice = self.tool_choice
+        if isinstance(choice, AllowedToolsChoice):
+            return choice.allowed_tools.mode
+        return "required" if isinstance(choice, NamedToolChoice) else choice or "auto"
+
+    def may_call(self, name: str) -> bool:
+        """`name` is a tool the answer may call (every listed tool unless `allowed_tools` or a
+        named function narrows them)."""
+        choice = self.tool_choice
+        if isinstance(choice, AllowedToolsChoice):
+            return name in choice.names
+        return choice.function.name == name if isinstance(choice, NamedToolChoice) else True
 
     @property
     def legacy_functions(self) -> bool:

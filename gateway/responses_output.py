@@ -9,7 +9,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.responses_protocol import FunctionChoice, ResponsesRequest
+from pydantic import BaseModel
+
+from gateway.responses_protocol import ResponsesRequest
 from gateway.serving import Prepared
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -136,7 +138,7 @@ def _echo(req: ResponsesRequest) -> dict[str, Any]:
         "service_tier": "default", "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": req.format.model_dump(by_alias=True, exclude_none=True), "verbosity": "medium"},
-        "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
+        "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
         "tools": tools, "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": "disabled", "user": req.user,
     }

@@ -85,6 +85,31 @@ class FunctionChoice(_Lenient):
     name: str
 
 
+class AllowedFunction(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedToolsChoice(_Lenient):
+    """Calls restricted to a subset of `tools` (all of which stay in the prompt and its cache)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(min_length=1)
+
+
+def _choice_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "Mode"
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "AllowedTools" if kind == "allowed_tools" else "Function"
+
+
+ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode")]
+                       | Annotated[FunctionChoice, Tag("Function")]
+                       | Annotated[AllowedToolsChoice, Tag("AllowedTools")], Discriminator(_choice_kind)]
+
+
 class PlainText(_Lenient):
     type: Literal["text"]
 
@@ -145,7 +170,7 @@ class ResponsesRequest(_Lenient):
     input: list[InputItem] | str | None = None  # list first: its errors name the item
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     include: list[str] | None = None
@@ -232,9 +257,17 @@ def _check_tools(tools: Any) -> None:
 
 
 def _check_tool_choice(choice: Any) -> None:
-    if isinstance(choice, dict) and choice.get("type") != "function":
+    if not isinstance(choice, dict):
+        return
+    if choice.get("type") not in ("function", "allowed_tools"):
         raise UnsupportedValue("tool_choice", f"tool_choice of type '{choice.get('type')}' is not supported: "
-                               "send 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+                               "send 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
+                               "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}")
+    allowed = choice.get("tools") if choice.get("type") == "allowed_tools" else None
+    for index, tool in enumerate(allowed if isinstance(allowed, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") != "function":
+            raise UnsupportedValue(f"tool_choice.tools[{index}].type", f"allowed tools of type '{tool.get('type')}' "
+                                   "are not supported: this server runs 'function' tools only")
 
 
 # ---- into a chat request ---------------------------------------------------------------------
@@ -272,9 +305,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in req.tools]
     if req.tool_choice is not None:
-        choice = req.tool_choice
-        body["tool_choice"] = (choice if isinstance(choice, str) else
-                               {"type": "function", "function": {"name": choice.name}})
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     fields = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
               "temperature": req.temperature, "top_p": req.top_p}
     body.update({name: value for name, value in fields.items() if value is not None})
@@ -284,6 +315,15 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     if response_format is not None:
         body["response_format"] = response_format
     return body
+
+
+def _chat_tool_choice(choice: str | FunctionChoice | AllowedToolsChoice) -> str | dict[str, Any]:
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedToolsChoice):
+        tools = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": tools}}
+    return choice
 
 
 def _response_format(fmt: PlainText | JsonObject | JsonSchema) -> dict[str, Any] | None:
@@ -311,4 +351,6 @@ def responses_param(chat_param: str | None) -> str | None:
         return "text.format"
     if chat_param.startswith("tools["):
         return chat_param.replace(".function", "", 1)
+    if chat_param.startswith("tool_choice.allowed_tools."):  # .tools[i].function.name is .tools[i].name
+        return "tool_choice." + chat_param.removeprefix("tool_choice.allowed_tools.").replace(".function", "", 1)
     return CHAT_PARAMS.get(chat_param, chat_param)

@@ -25,7 +25,7 @@ from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, 
 from gateway.logprobs import StreamLogprobs, TokenTexts
 from gateway.metrics import Metrics
 from gateway.prompt_tokens import PromptTokenizer
-from gateway.protocol import ChatCompletionRequest, NamedToolChoice
+from gateway.protocol import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
 from gateway.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class ChatService:
         tool) forces the opening with its name, or the whole call when it takes no arguments."""
         name = _forced_name(req, tools)
         if name is None:
-            required = req.tool_choice == "required" and bool(tools)
+            required = req.tool_mode == "required" and bool(tools)
             return ForcedCall(self.family.call_opening(None) if required else "")
         if next(t for t in tools if t.name == name).takes_no_arguments:
             return ForcedCall(self.family.call_text(name), complete=True)
@@ -190,8 +190,9 @@ class ChatService:
         mode: Mode = "auto"
         if tools_active:
             only = _forced_name(req, list(tools))
-            mode = "required" if req.tool_choice == "required" or only is not None else "auto"
-            grammar = tool_grammar(self.family.call_syntax(), tools, mode=mode, only=only,
+            mode = "required" if req.tool_mode == "required" else "auto"
+            callable_tools = [t for t in tools if req.may_call(t.name)]  # all still in the prompt
+            grammar = tool_grammar(self.family.call_syntax(), callable_tools, mode=mode, only=only,
                                    parallel=req.parallel_tool_calls is not False,
                                    answer_schema=answer, specials=self.call_specials,
                                    max_string=self.max_string_chars, free_tokens=self.free_specials)
@@ -479,21 +480,23 @@ def check_unique_names(tools: list[Any]) -> None:
 
 
 def _check_tool_choice(req: ChatCompletionRequest) -> None:
-    if req.tool_choice == "required" and not req.tools:
+    choice, listed = req.tool_choice, {t.function.name for t in req.tools or ()}
+    if choice == "required" and not listed:
         raise BadRequest("tool_choice 'required' needs 'tools'", param="tool_choice")
-    if not isinstance(req.tool_choice, NamedToolChoice):
-        return
-    name = req.tool_choice.function.name
-    if name not in {t.function.name for t in req.tools or ()}:
-        raise BadRequest(f"tool_choice names the function '{name}', which is not in 'tools'", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in listed:
+        raise BadRequest(f"tool_choice names the function '{choice.function.name}', which is not in 'tools'",
+                         param="tool_choice")
+    for index, allowed in enumerate(choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else ()):
+        if allowed.function.name not in listed:
+            param = f"tool_choice.allowed_tools.tools[{index}].function.name"
+            raise BadRequest(f"{param} names the function '{allowed.function.name}', which is not in 'tools' "
+                             "(allowed tools are a subset of 'tools')", param=param)
 
 
 def _forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | None:
-    if isinstance(req.tool_choice, NamedToolChoice):
-        return req.tool_choice.function.name
-    if req.tool_choice == "required" and len(tools) == 1:
-        return tools[0].name
-    return None
+    """The one tool a call must name: a named function, or `required` with one callable tool."""
+    names = [t.name for t in tools if req.may_call(t.name)]
+    return names[0] if req.tool_mode == "required" and len(names) == 1 else None
 
 
 def max_token_chars(tokenizer: Any) -> int:

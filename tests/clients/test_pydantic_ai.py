@@ -5,6 +5,7 @@ agent answers. `retries=0`: a user's first answer must be the valid one."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -17,12 +18,15 @@ from pydantic_ai.settings import ModelSettings
 
 from tests.clients.forced import (
     CALL_MAX_TOKENS,
+    CANCEL_REQUEST,
     DEFAULT_MODEL,
+    RETAIL_FUNCTIONS,
     STATUS_REQUEST,
     STRUCTURED_REQUEST,
     SYSTEM,
     CancellationRequest,
     assert_forced_exchange,
+    assert_valid_call,
 )
 from tests.clients.forced import get_order_details as order_details
 
@@ -76,3 +80,38 @@ def test_a_forced_first_step_runs_the_tool_with_valid_arguments_then_answers(mod
     assert not [p for m in result.all_messages() for p in getattr(m, "parts", ()) if isinstance(p, RetryPromptPart)]
     assert isinstance(result.output, str) and result.output
     assert answer.body["choices"][0]["message"]["content"] == result.output
+
+
+def test_a_step_restricted_to_some_tools_keeps_every_tool_and_calls_an_allowed_one(model, wire):
+    """pydantic-ai restricts a step to some of its tools with `tool_choice: allowed_tools`, sending
+    every tool still (so the prompt and its cache stay the same): the call is to an allowed tool,
+    with valid arguments, and the next step's prompt hits the cache."""
+    allowed = {"get_order_details", "get_user_details"}
+    ran: list[str] = []
+
+    def traced(function: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> str:
+            ran.append(function.__name__)
+            return str(function(*args, **kwargs))
+
+        return functools.wraps(function)(run)
+
+    def look_up_first(ctx: RunContext[None]) -> ModelSettings:
+        return {**SETTINGS, "tool_choice": sorted(allowed) if ctx.run_step == 1 else "none"}
+
+    mark = len(wire.exchanges)
+    agent = Agent(model, instructions=SYSTEM, tools=[traced(f) for f in RETAIL_FUNCTIONS],
+                  model_settings=look_up_first, retries=0)
+    result = agent.run_sync(CANCEL_REQUEST)
+    first, answer = wire.since(mark)
+    choice = first.request["tool_choice"]
+    assert choice["type"] == "allowed_tools" and choice["allowed_tools"]["mode"] == "required"
+    assert {t["function"]["name"] for t in choice["allowed_tools"]["tools"]} == allowed
+    assert len(first.request["tools"]) == len(RETAIL_FUNCTIONS)
+    calls = first.body["choices"][0]["message"]["tool_calls"]
+    for call in calls:
+        assert call["function"]["name"] in allowed
+        assert_valid_call(first.request["tools"], call["function"]["name"], call["function"]["arguments"])
+    assert ran == [call["function"]["name"] for call in calls]
+    assert answer.body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert isinstance(result.output, str) and result.output

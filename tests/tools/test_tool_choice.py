@@ -107,7 +107,10 @@ def test_forcing_a_call_still_hits_the_tool_group_prefix(family_server):
 @pytest.mark.parametrize("extra, param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [GET_ORDER], "tool_choice": named("list_all_product_types")}, "tool_choice"),
-    ({"tools": [GET_ORDER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [GET_ORDER], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tools": [GET_ORDER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes",
+                                                                                       "tools": [named("x")]}}},
+     "tool_choice.allowed_tools.mode"),
 ])
 def test_a_tool_choice_that_cannot_be_honoured_is_a_400(family_server, extra, param):
     request = {"messages": [{"role": "user", "content": "hi"}], **extra}
