@@ -74,6 +74,7 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # accepted; routes the request in proxy mode
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many alternatives per token
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -30,7 +30,7 @@ from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage, passed_headers
 from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
-from gateway.proxy.routing import affinity_key, make_router
+from gateway.proxy.routing import affinity_key, cache_key_affinity, make_router
 from gateway.proxy.shaping import PATHS, Forward, Kind, shape
 from gateway.proxy.streaming import RelayResponse
 from gateway.proxy.upstreams import Release, UpstreamPool
@@ -173,7 +173,8 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
     state = request.app.state
     homes: ResponseHomes = state.response_homes
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
-    route = state.router.route(affinity_key(fwd.salt, fwd.group_id), state.pool.in_flight(), state.pool.down())
+    key = cache_key_affinity(tenant.salt, fwd.cache_key) if fwd.cache_key else affinity_key(fwd.salt, fwd.group_id)
+    route = state.router.route(key, state.pool.in_flight(), state.pool.down())
     if fwd.previous_response_id is not None:
         stored = homes.home(tenant.salt, fwd.previous_response_id)
         if stored is None and not state.keyring.open:  # upstreams do not tell this key's responses from another's

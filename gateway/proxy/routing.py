@@ -8,7 +8,8 @@ the highest weight. Adding an upstream moves only the keys whose new weight beat
 (1/N of them); removing one moves only its own keys, each to its second choice. A home with
 `max_in_flight` requests or more shares with the key's second choice: the request goes to the
 less loaded of the two (the home on a tie), so a hot group spreads over two upstreams, both of
-which then hold its prefix, instead of over all of them."""
+which then hold its prefix, instead of over all of them. A request that names a
+`prompt_cache_key` is routed by that key (tenant salt + key) instead, as OpenAI routes by it."""
 
 from __future__ import annotations
 
@@ -96,3 +97,10 @@ def weight(key: str, upstream: str) -> int:
 def affinity_key(tenant_salt: str, group_id: str) -> str:
     """What requests are routed by: the same group of two tenants may live on two upstreams."""
     return f"{tenant_salt}/{group_id}"
+
+
+def cache_key_affinity(tenant_salt: str, prompt_cache_key: str) -> str:
+    """What a request with a `prompt_cache_key` is routed by instead of its group: requests that
+    share the key (a conversation, a user: the client's grouping) share an upstream whatever their
+    tools, within the tenant. Group ids start `tg_`/`tp_`, so the two kinds of key never meet."""
+    return f"{tenant_salt}/key:{prompt_cache_key}"

@@ -1,5 +1,6 @@
 """What the proxy reads in a request body and changes before forwarding it: the tool group it is
-routed by (the local path's `ToolGroup`: leading system text + tools), the tools in canonical
+routed by (the local path's `ToolGroup`: leading system text + tools; or the client's
+`prompt_cache_key`, when it sends one), the tools in canonical
 order (so an upstream's own prefix cache sees one prompt head whatever order clients send), the
 tenant's `cache_salt` (vLLM's per-request prefix-cache namespace), and usage asked of a stream
 (for the hit/miss metrics). Everything else goes through as the client sent it: the upstream
@@ -36,6 +37,7 @@ class Forward:
     stream: bool
     client_usage: bool  # the client asked for the stream's usage chunk (else the proxy drops it)
     previous_response_id: str | None = None  # a Responses follow-up: goes first where that one is stored
+    cache_key: str | None = None  # the client's `prompt_cache_key`: routed by it instead of the group
 
     @property
     def path(self) -> str:
@@ -57,8 +59,10 @@ def shape(kind: Kind, data: dict[str, Any], settings: Settings, salt_for: Callab
         options = data.get("stream_options")
         data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     previous = data.get("previous_response_id") if kind == "responses" else None
+    cache_key = data.get("prompt_cache_key")
     return Forward(kind, orjson.dumps(data), group_id, salt, stream, client_usage,
-                   previous if isinstance(previous, str) else None)
+                   previous if isinstance(previous, str) else None,
+                   cache_key if isinstance(cache_key, str) and cache_key else None)
 
 
 def _asks_usage(data: dict[str, Any]) -> bool:

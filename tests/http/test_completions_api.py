@@ -155,6 +155,7 @@ def test_a_client_that_hangs_up_cancels_its_generation(live):
     ({"temperature": "hot"}, 400, "temperature", None),
     ({"max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"prompt_cache_key": 42}, 400, "prompt_cache_key", None),
     ({"model": "gpt-9"}, 404, "model", "model_not_found"),
 ])
 def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, status, param, code):
@@ -168,5 +169,6 @@ def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, st
 
 def test_accepted_no_op_values(client):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=1, best_of=1, echo=False,
-                                     suffix="", frequency_penalty=0, presence_penalty=0, logit_bias={}, user="u1")
+                                     suffix="", frequency_penalty=0, presence_penalty=0, logit_bias={}, user="u1",
+                                     extra_body={"prompt_cache_key": "conversation-1"})
     assert resp.usage.completion_tokens <= 2
