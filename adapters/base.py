@@ -24,6 +24,11 @@ def check_function_name(name: str) -> str:
     return name
 
 
+# The keys of a parameters schema that can say "no arguments"; any other key may constrain `{}`.
+_EMPTY_OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalProperties", "title",
+                                "description", "$schema", "$comment"})
+
+
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
     name: str
@@ -32,13 +37,19 @@ class ToolSpec:
 
     @property
     def takes_no_arguments(self) -> bool:
-        """True when `{}` is the only sensible arguments object: no properties, none open-ended.
+        """True when `{}` is the only sensible arguments object, and valid: an object schema with
+        no properties, none required and none open-ended, and nothing else that constrains it.
 
         An absent `additionalProperties` counts as closed: `{"type": "object", "properties": {}}`
-        is how OpenAI clients declare a function without parameters."""
+        is how OpenAI clients declare a function without parameters. Anything else (`$ref`,
+        `allOf`, `required` keys without `properties`, ...) is left to the grammar, which knows
+        whether `{}` is valid."""
         params = self.parameters or {}
-        open_ended = params.get("patternProperties") or params.get("additionalProperties") not in (None, False)
-        return not params.get("properties") and not open_ended
+        if not set(params) <= _EMPTY_OBJECT_KEYS:
+            return False
+        open_ended = params.get("additionalProperties") not in (None, False)
+        return (params.get("type", "object") == "object" and not params.get("properties")
+                and not params.get("required") and not open_ended)
 
     def openai_dict(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}

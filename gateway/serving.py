@@ -140,8 +140,9 @@ class ChatService:
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
-        constraint = None if forced.complete else self._constraint(req, rendered.group.tools, tools_active, forced_ids,
-                                                                   params.max_tokens)
+        # a wholly forced call that more may follow is under the grammar too: it consumes the call
+        constraint = None if params.max_tokens == 0 else self._constraint(req, rendered.group.tools, tools_active,
+                                                                          forced_ids, params.max_tokens)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=_unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names,

@@ -191,6 +191,10 @@ def test_a_history_turn_with_several_calls_is_what_the_parser_reads(family):
     ({"type": "object", "properties": {"id": {"type": "string"}}}, False),
     ({"type": "object", "additionalProperties": {"type": "string"}}, False),
     ({"type": "object", "additionalProperties": True}, False),
+    ({"$ref": "#/$defs/args", "$defs": {"args": {"type": "object"}}}, False),  # the grammar judges these
+    ({"allOf": [{"type": "object"}]}, False), ({"anyOf": [{"type": "object"}]}, False),
+    ({"type": "object", "required": ["id"]}, False), ({"type": "object", "minProperties": 1}, False),
+    ({"type": "string"}, False),
 ])
 def test_a_function_takes_no_arguments_only_when_nothing_can_be_passed(parameters, expected):
     assert ToolSpec("f", None, parameters).takes_no_arguments is expected
