@@ -98,8 +98,10 @@ def test_an_edited_earlier_message_reuses_only_the_turns_before_it(runtime_for, 
 
 @pytest.mark.parametrize("change", ["added", "removed"])
 def test_a_tool_list_changed_at_its_end_reuses_the_cached_groups_prefix(runtime_for, merchant_tools, change):
-    """Tools are rendered in canonical order: the tool that sorts last changes only the group's end."""
-    runtime = runtime_for("llama")
+    """Tools are rendered in canonical order: the tool that sorts last changes only the group's end.
+    A group is reused up to its last chunk end before the change (128-token chunks here; a GPU's
+    default 2048 leaves none inside a group this small)."""
+    runtime = runtime_for("llama", prefill_chunk_tokens=128)
     tools = sorted(merchant_tools[:12], key=lambda t: canonical_rank(ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "tools": [t]}).tools[0].to_spec()))
     old, new = (tools[:-1], tools) if change == "added" else (tools, tools[:-1])

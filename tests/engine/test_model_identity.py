@@ -7,7 +7,7 @@ from gateway.settings import load_settings
 
 
 def test_the_attention_kernel_path_is_part_of_the_fingerprint(tiny_model_dir, monkeypatch):
-    settings = load_settings(overrides={"model": str(tiny_model_dir("llama"))}, environ={})
+    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "device": "cpu"}, environ={})
     monkeypatch.delenv(FORCE_GQA_ENV, raising=False)
     native = load_model(settings)  # on CPU: grouped-query attention in SDPA itself
     assert native.device.type == "cpu"
