@@ -26,6 +26,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID_DIGITS = 20  # no vocabulary is near 10**20 tokens; longer keys would not even parse as an int
 
 
 class _Lenient(BaseModel):
@@ -185,7 +186,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "prediction": lambda v: False,
     "web_search_options": lambda v: False,
     "reasoning_effort": lambda v: False,
-    "verbosity": lambda v: False,
+    "verbosity": lambda v: v == "medium",  # OpenAI's default (Responses accepts it too)
     "moderation": lambda v: False,
     "store": lambda v: v is False,
     "service_tier": lambda v: v in ("auto", "default"),
@@ -353,6 +354,8 @@ def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise ValueError(f"the key '{key[:20]}' is not a token id (token ids are written as \"1234\")")
+        if len(key) > MAX_TOKEN_ID_DIGITS:
+            raise ValueError(f"the key '{key[:20]}...' has {len(key)} digits: no model has a token id that large")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(f"the bias of token {key} is {value}; biases are from -100 to 100")
     return bias
@@ -383,12 +386,14 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               cache_write_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage: cache reads (`cached_tokens`) and writes (`cache_write_tokens`) apart."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens},
     }
 
 

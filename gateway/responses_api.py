@@ -131,7 +131,7 @@ async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> di
     logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else None
     output = output_of(choice["message"], choice["finish_reason"], logprobs)
     body = planned.shape.body(status_of(choice["finish_reason"]), output,
-                              usage_of(completion["usage"], planned.prepared))
+                              usage_of(completion["usage"]))
     _keep(store, planned, body)
     return body
 
@@ -167,7 +167,7 @@ async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], 
             yield _sse(event)
         return
     assert stream.chat_usage is not None  # the chat stream ends with usage when asked
-    events, body = stream.finish(usage_of(stream.chat_usage, planned.prepared))
+    events, body = stream.finish(usage_of(stream.chat_usage))
     _keep(store, planned, body)  # kept before the client can see it is done
     for event in events:
         yield _sse(event)

@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from gateway.responses_protocol import ResponsesRequest
-from gateway.serving import Prepared
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -87,14 +86,13 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
     return turn
 
 
-def usage_of(chat_usage: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
-    """Chat usage in the Responses shape. Cache writes: the tool group a miss computed and stored."""
-    pre = prepared.prefilled
-    written = prepared.job.prefix_len if pre is not None and pre.result == "miss" else 0
+def usage_of(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat usage in the Responses shape (cache reads and writes as chat counts them)."""
+    details = chat_usage["prompt_tokens_details"]
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
-                                 "cache_write_tokens": written},
+        "input_tokens_details": {"cached_tokens": details["cached_tokens"],
+                                 "cache_write_tokens": details["cache_write_tokens"]},
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],

@@ -59,6 +59,14 @@ class Prepared:
         timing = ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in parts)
         return {"X-Toolkv-Cache": pre.result, "Server-Timing": timing}
 
+    @property
+    def cache_write_tokens(self) -> int:
+        """Prompt tokens this request wrote to the cache: the tool group a miss computed and stored
+        (all of it, as OpenAI counts writes, unadjusted). Conversation records are not counted: they
+        live in the pool only, dropped first when it needs room."""
+        pre = self.prefilled
+        return self.job.prefix_len if pre is not None and pre.result == "miss" else 0
+
 
 @dataclass(frozen=True, slots=True)
 class ForcedCall:
@@ -304,7 +312,7 @@ class ChatService:
                 raise GenerationFailed(event.message)
         assert outcome.finish is not None and outcome.prefilled is not None
         message, finish_reason = self._message("".join(outcome.text_parts), prepared, outcome.finish)
-        usage = _usage(outcome)
+        usage = _usage(prepared, outcome)
         self._record(prepared, outcome, "200", stream=False)
         return protocol.completion_dict(prepared.request_id, prepared.model_name, message,
                                         finish_reason, usage, self.system_fingerprint,
@@ -388,7 +396,7 @@ class ChatService:
         reason = _call_finish(outcome.finish) if calls.count else outcome.finish.finish_reason
         yield chunk({}, finish_reason=reason, logprobs=logprobs.take())  # what no text chunk carried
         if include_usage:
-            yield chunk(None, usage=_usage(outcome))
+            yield chunk(None, usage=_usage(prepared, outcome))
         self._record(prepared, outcome, "200", stream=True)
 
     # ---- accounting ------------------------------------------------------------------------
@@ -464,10 +472,11 @@ async def _chain(first: EngineEvent, rest: AsyncIterator[EngineEvent]) -> AsyncI
         yield event
 
 
-def _usage(outcome: Outcome) -> dict[str, Any]:
+def _usage(prepared: Prepared, outcome: Outcome) -> dict[str, Any]:
     pre = outcome.prefilled
     completion = outcome.finish.completion_tokens if outcome.finish else 0
-    return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0)
+    return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
+                               prepared.cache_write_tokens)
 
 
 def check_unique_names(tools: list[Any]) -> None:

@@ -84,6 +84,25 @@ def test_bypass_header_computes_everything_and_matches(client, merchant_tools):
     assert plain.choices[0].message.content == cached.choices[0].message.content
 
 
+def test_usage_reports_cache_writes_apart_from_reads(client, merchant_tools):
+    """A miss writes its tool group to the cache (`cache_write_tokens`), a hit reads as many back
+    (`cached_tokens`) and writes nothing, streamed or not; a bypass does neither."""
+    args = dict(model="tiny-llama", tools=merchant_tools[30:34], tool_choice="none", temperature=0, max_tokens=2)
+
+    def details(question: str, **extra: Any) -> Any:
+        return client.chat.completions.create(messages=ask(question), **args, **extra).usage.prompt_tokens_details
+
+    miss, hit = details("Stock?"), details("Returns?")
+    *_, last = client.chat.completions.create(messages=ask("Margins?"), stream=True,
+                                              stream_options={"include_usage": True}, **args)
+    bypass = details("Stock?", extra_headers={"X-Toolkv-Cache": "bypass"})
+    assert miss.cached_tokens == 0 < miss.cache_write_tokens
+    assert (hit.cached_tokens, hit.cache_write_tokens) == (miss.cache_write_tokens, 0)
+    streamed = last.usage.prompt_tokens_details
+    assert (streamed.cached_tokens, streamed.cache_write_tokens) == (miss.cache_write_tokens, 0)
+    assert (bypass.cached_tokens, bypass.cache_write_tokens) == (0, 0)
+
+
 def server_timing(header: str) -> dict[str, float]:
     parts = (p.strip().split(";dur=") for p in header.split(","))
     return {name: float(ms) for name, ms in parts}

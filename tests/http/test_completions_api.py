@@ -72,6 +72,8 @@ def test_a_repeated_prompt_reuses_its_kv(client):
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert 0 < warm.usage.prompt_tokens_details.cached_tokens < warm.usage.prompt_tokens
     assert warm.choices[0].text == cold.choices[0].text  # reused KV, same greedy tokens
+    # no tool group is stored (the KV reused is the first prompt's record, which is not counted)
+    assert [u.prompt_tokens_details.cache_write_tokens for u in (cold.usage, warm.usage)] == [0, 0]
     assert first.headers["x-toolkv-cache"] == "skip"  # no tool group: nothing to look up
     assert "prefill" in second.headers["server-timing"]
 
