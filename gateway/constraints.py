@@ -19,13 +19,14 @@ What is constrained (`tool_grammar`, `json_grammar`):
   `"auto"` tools, that value or calls.
 
 Arguments are written compactly (`", "` and `": "`, no other whitespace), as the families write
-calls in their prompts. Objects that list `properties` and say nothing of
-`additionalProperties` are closed, and strings the schema leaves unbounded get a `maxLength`
-(setting `max_string_chars`, 0: none): an output valid for the tightened schema is valid for the
-given one, and a small model no longer invents keys or repeats itself inside a string until
-`max_tokens` cuts the call off (measured on the default model: "fuse_fuse_fuse..." for an
-email). The mask is applied to the logits the same way on a hit, a miss and a bypass, so the
-cache still never changes the output.
+calls in their prompts. Objects that list `properties` (every required key among them) and say
+nothing of `additionalProperties` are closed, and strings the schema leaves unbounded get a
+`maxLength` (setting `max_string_chars`, 0: none; never below their `minLength`): an output valid
+for the tightened schema is valid for the given one, a valid schema stays satisfiable, and a
+small model no longer invents keys or repeats itself inside a string until `max_tokens` cuts the
+call off (measured on the default model: "fuse_fuse_fuse..." for an email). The mask is applied
+to the logits the same way on a hit, a miss and a bypass, so the cache still never changes the
+output.
 """
 
 from __future__ import annotations
@@ -65,18 +66,28 @@ class ConstraintViolation(RuntimeError):
 
 
 def closed(schema: Any, max_string: int = 0) -> Any:
-    """`schema` with every object that lists `properties` and says nothing of extra keys closed,
-    and (with `max_string` > 0) every string it leaves unbounded given that `maxLength`."""
+    """`schema` with every object that lists `properties` (and every key it requires) and says
+    nothing of extra keys closed, and (with `max_string` > 0) every string it leaves unbounded
+    given that `maxLength`, or its `minLength` when that is more."""
     if isinstance(schema, list):
         return [closed(s, max_string) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {key: _closed_member(key, value, max_string) for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and _lists_required(out):
         out["additionalProperties"] = False
-    if max_string > 0 and _unbounded_string(out):
-        out["maxLength"] = max_string
+    if max_string > 0 and _unbounded_string(out):  # never below minLength: a valid schema stays satisfiable
+        least = out.get("minLength")
+        out["maxLength"] = max(max_string, least) if isinstance(least, int) else max_string
     return out
+
+
+def _lists_required(schema: dict[str, Any]) -> bool:
+    """Every key the object requires is among its properties (else closing it leaves no instance)."""
+    listed, required = schema.get("properties"), schema.get("required")
+    names = required if isinstance(required, list) else []
+    return isinstance(listed, dict) and all(name in listed for name in names)
 
 
 def _unbounded_string(schema: dict[str, Any]) -> bool:

@@ -22,6 +22,7 @@ from gateway import protocol
 from gateway.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
+from gateway.finite_schemas import has_finite_instance
 from gateway.logprobs import StreamLogprobs, TokenTexts
 from gateway.metrics import Metrics
 from gateway.prompt_tokens import PromptTokenizer
@@ -148,6 +149,8 @@ class ChatService:
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
+        if params.max_tokens:  # a grammar will hold the output to these schemas
+            check_finite_schemas(tools if tools_active else [], req.response_format)
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
         constraint = None if params.max_tokens == 0 else self._constraint(req, rendered.group.tools, tools_active,
                                                                           forced_ids, params.max_tokens)
@@ -487,6 +490,18 @@ def check_unique_names(tools: list[Any]) -> None:
             raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
                              param=f"tools[{index}].function.name")
         seen.add(tool.name)
+
+
+def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.ResponseFormat | None) -> None:
+    """400 naming the first schema no finite value is valid for (gateway/finite_schemas.py): its
+    grammar would compile, then fail in the middle of the answer."""
+    named = [(f"tools[{index}].function.parameters", tool.parameters) for index, tool in enumerate(tools)]
+    answer = response_format.answer_schema if response_format is not None else None
+    for param, schema in [*named, ("response_format.json_schema.schema", answer)]:
+        if schema is not None and not has_finite_instance(schema):
+            raise BadRequest(f"{param} has no finite value: every value it allows holds another one (a $ref "
+                             "that loops back with no way out); make the recursion optional (not required, "
+                             "minItems 0, or anyOf with null)", param=param)
 
 
 def _check_tool_choice(req: ChatCompletionRequest) -> None:

@@ -174,6 +174,16 @@ def test_closing_objects_keeps_outputs_valid_for_the_open_schema():
     jsonschema.validate(instance, schema)
 
 
+def test_tightening_never_leaves_a_valid_schema_without_an_instance():
+    """The string bound never goes below a minLength, and an object requiring a key it does not
+    list stays open (closed, it would have no instance)."""
+    assert closed({"type": "string", "minLength": 300}, 256)["maxLength"] == 300
+    assert closed({"type": "string", "minLength": 3}, 256)["maxLength"] == 256
+    schema = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    assert "additionalProperties" not in closed(schema)
+    jsonschema.validate({"a": 1, "b": 2}, closed(schema))
+
+
 def test_a_hundred_tool_grammar_allows_only_the_call_opening_first(grammars: Grammars, smol: Any,
                                                                    merchant_tools: list[dict[str, Any]]) -> None:
     """The 100 merchant tools compile into one grammar (its cost is the bench's to measure)."""
