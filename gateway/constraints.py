@@ -45,6 +45,7 @@ from adapters.base import CallSyntax, ToolSpec
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept (a group's tool grammar is reused by every request)
 
 Mode = Literal["required", "auto"]
@@ -319,13 +320,15 @@ class Constraint:
         return masked
 
     def _apply(self, logits: torch.Tensor) -> torch.Tensor:
-        import llguidance.torch as llt
-
+        """Set every token the bitmask forbids to -inf, with plain torch ops: llguidance's own
+        `apply_token_bitmask_inplace` is a `torch.compile` function whose first call compiled for
+        72-83 s (the first constrained request after start, on a GPU and on this CPU alike)."""
         assert self._bitmask is not None
-
-        llt.apply_token_bitmask_inplace(logits[:, : self.vocab_size], self._bitmask)
-        if logits.shape[1] > self.vocab_size:
-            logits[:, self.vocab_size:] = float("-inf")
+        words = self._bitmask[0]
+        allowed = ((words.unsqueeze(1) >> _BIT_SHIFTS) & 1).bool().reshape(-1)[: self.vocab_size]
+        logits[0, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+        if logits.shape[1] > allowed.shape[0]:
+            logits[:, allowed.shape[0]:] = float("-inf")
         return logits
 
     def accept(self, token: int) -> None:
