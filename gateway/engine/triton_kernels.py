@@ -6,17 +6,15 @@ GPU) they run on CPU tensors through Triton's interpreter."""
 # ruff: noqa: E741  (kernel arguments named as in Triton's tutorials: Q, K, V, O)
 from __future__ import annotations
 
-from typing import Any
-
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def decode(Q: Any, K: Any, V: Any, Part: Any, Lse: Any, rows: Any, q_start: Any, g_start: Any, g_len: Any,
-           o_start: Any, o_len: Any, scale: Any, window: Any, sqt: Any, sqh: Any, skh: Any, skn: Any,
+def decode(Q, K, V, Part, Lse, rows, q_start, g_start, g_len,
+           o_start, o_len, scale, window, sqt, sqh, skh, skn,
            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr) -> None:
+           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,8 +65,8 @@ def decode(Q: Any, K: Any, V: Any, Part: Any, Lse: Any, rows: Any, q_start: Any,
     tl.store(Lse + slot, lse, mask=mask_g)
 
 @triton.jit
-def combine(Part: Any, Lse: Any, O: Any, rows: Any, q_start: Any, sot: Any, soh: Any, DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr) -> None:
+def combine(Part, Lse, O, rows, q_start, sot, soh, DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -85,11 +83,11 @@ def combine(Part: Any, Lse: Any, O: Any, rows: Any, q_start: Any, sot: Any, soh:
     tl.store(O + token * sot + head * soh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 @triton.jit
-def prefill(Q: Any, K: Any, V: Any, O: Any, tile_seq: Any, tile_first: Any, q_start: Any, q_len: Any,
-            g_start: Any, g_len: Any, o_start: Any, o_len: Any, scale: Any, window: Any, sqt: Any, sqh: Any,
-            skh: Any, skn: Any, sot: Any, soh: Any, GROUP: tl.constexpr, DIM: tl.constexpr,
+def prefill(Q, K, V, O, tile_seq, tile_first, q_start, q_len,
+            g_start, g_len, o_start, o_len, scale, window, sqt, sqh,
+            skh, skn, sot, soh, GROUP: tl.constexpr, DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            PRECISION: tl.constexpr) -> None:
+            PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
