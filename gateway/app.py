@@ -42,6 +42,7 @@ from gateway.responses_protocol import ResponsesRequest
 from gateway.runtime import Runtime, build_runtime, loaded_runtime
 from gateway.serving import Prepared
 from gateway.settings import Settings
+from gateway.shutdown_answer import CutOffAnswer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
         log.warning("no API keys configured: the gateway is open to anyone who can reach %s", settings.host)
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
                        read_timeout_s=settings.body_read_timeout_s, keyring=app.state.keyring)
-    install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
+    install_browser_guard(app, settings)  # refuses foreign Hosts and non-JSON bodies first
+    app.add_middleware(CutOffAnswer)  # outermost: a request shutdown cuts off gets a JSON 503
     install_error_handlers(app)
     _install_routes(app)
     app.include_router(cache_routes.router)

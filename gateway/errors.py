@@ -99,6 +99,14 @@ class ModelLoadFailed(APIError):
     default_code = "model_load_failed"
 
 
+class ShuttingDown(APIError):
+    """The shutdown grace period ran out before the request finished."""
+
+    status_code = 503
+    error_type = "server_error"
+    default_code = "shutting_down"
+
+
 class GenerationFailed(APIError):
     status_code = 500
     error_type = "server_error"
