@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # before Triton is imported: its kernels then run on CPU tensors, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support.models import build_tiny_model, save_tokenizer
 

@@ -38,7 +38,7 @@ import torch
 
 from gateway.engine.block_pool import BlockPool, BlockRun
 from gateway.engine.chunks import chunk_ends, next_end
-from gateway.engine.cuda_graphs import DecodeGraphs
+from gateway.engine.cuda_graphs import StepGraphs
 from gateway.engine.events import (
     CacheResult,
     Failed,
@@ -132,7 +132,7 @@ class Engine:
             finally:
                 run.release()
         if self.cuda_graphs:
-            graphs = DecodeGraphs(self.runner, self.max_batch)
+            graphs = StepGraphs(self.runner, self.max_batch)
             try:
                 graphs.capture()
                 self.runner.graphs = graphs

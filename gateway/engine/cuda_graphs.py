@@ -1,27 +1,34 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up.
+"""CUDA graphs for the engine's two common steps, captured at start-up.
 
-A decode step with the Triton backend launches a few hundred kernels whose shapes depend only on
-the number of rows, so it is captured once per bucket (1, 2, 4, 8, then every 8 up to the largest
-batch) and replayed: the host writes the step's token ids, positions, pool slots and KV layout
-into static buffers and launches one graph. A batch is padded up to its bucket with rows that
-write and read one scratch token of the pool (`BlockPool.scratch_token`), so padding never touches
-a sequence's KV. Prompt chunks and batches above the largest bucket run eagerly.
+A step with the Triton backend launches a few thousand small kernels (transformers' modules, one
+op at a time): ~35 ms of host time per forward of an 8B model on the kit's H100, whatever its
+size. Steps whose launch shapes depend only on a bucket size are captured once and replayed:
+- a decode step of B rows, one token each (buckets 1, 2, 4, 8, then every 8 up to `max_batch`);
+- a prompt chunk of one sequence alone, up to `PREFILL_BUCKETS[-1]` tokens (a hit's suffix, an
+  agent's new messages), padded up to its bucket.
+The host writes the step's token ids, positions, pool slots and KV layout into static buffers and
+replays one graph. Padding rows and tokens write and read one scratch token of the pool
+(`BlockPool.scratch_token`), so they never touch a sequence's KV; padding tokens are rows of their
+own in every matrix product and never reach a real row. The bucket, and so every kernel's shape,
+is a function of the step's token count alone: a chunk served alone runs the same graph on a hit,
+a miss and a bypass. Larger chunks and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from gateway.engine import attention
 from gateway.engine.attention import KVLayout
-
-if TYPE_CHECKING:
-    from gateway.engine.model_runner import ModelRunner, RowKV
+from gateway.engine.model_runner import ModelRunner, RowKV, StepInputs, layout_columns
 
 log = logging.getLogger(__name__)
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -29,72 +36,109 @@ def buckets(max_rows: int) -> list[int]:
     return sorted({*sizes, max_rows})
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, runner: ModelRunner, max_rows: int) -> None:
         self.runner = runner
         self.max_rows = max_rows
-        self.sizes = buckets(max_rows)
+        self.decode_sizes = buckets(max_rows)
+        self.prefill_sizes = [b for b in PREFILL_BUCKETS if b < runner.pool.scratch_token]
+        width = max(max_rows, *self.prefill_sizes, 1)
         device = runner.device
-        self._ids = torch.zeros((1, max_rows), dtype=torch.long, device=device)
-        self._positions = torch.zeros((1, max_rows), dtype=torch.long, device=device)
-        self._slots = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._ids = torch.zeros((1, width), dtype=torch.long, device=device)
+        self._positions = torch.zeros((1, width), dtype=torch.long, device=device)
+        self._slots = torch.zeros(width, dtype=torch.long, device=device)
+        self._last = torch.zeros(1, dtype=torch.long, device=device)
         self._table = torch.zeros((7, max_rows), dtype=torch.int32, device=device)  # layout columns, rows
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        tiles = -(-width // attention.PREFILL_BLOCK_M)
+        self._tiles = torch.stack([torch.zeros(tiles, dtype=torch.int32),
+                                   torch.arange(tiles, dtype=torch.int32) * attention.PREFILL_BLOCK_M]).to(device)
+        self._decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def fits(self, rows: int) -> bool:
+    def fits_decode(self, rows: int) -> bool:
         return rows <= self.max_rows
+
+    def fits_prefill(self, tokens: int) -> bool:
+        return bool(self.prefill_sizes) and 1 < tokens <= self.prefill_sizes[-1]
 
     def capture(self) -> None:
         """Capture every bucket, the largest first (its memory pool serves the smaller ones)."""
-        from gateway.engine.model_runner import StepInputs
-
         started = time.perf_counter()
-        self._fill_padding(0)
+        self._fill_padding()
         pool = None
-        for size in reversed(self.sizes):
-            step = StepInputs([], [1] * size, self.runner.pool, self._layout(size), self._slots[:size])
-            args = (self._ids[:, :size], self._positions[:, :size], step, None)
-            self.runner.run(*args)  # compiles the kernels and settles the allocator before capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                logits = self.runner.run(*args)
-            pool = graph.pool() if pool is None else pool
-            self._graphs[size] = (graph, logits)
+        for size in reversed(self.prefill_sizes):
+            step = StepInputs([], [size], self.runner.pool, self._prefill_layout(size), self._slots[:size])
+            pool = self._capture(self._prefill, size, step, self._last, pool)
+        for size in reversed(self.decode_sizes):
+            step = StepInputs([], [1] * size, self.runner.pool, self._decode_layout(size), self._slots[:size])
+            pool = self._capture(self._decode, size, step, None, pool)
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch 1-%d) in %.1fs", len(self.sizes), self.max_rows,
+        log.info("captured %d CUDA graphs (decode batch 1-%d, prompt chunks up to %d tokens) in %.1fs",
+                 len(self._decode) + len(self._prefill), self.max_rows, max(self.prefill_sizes, default=0),
                  time.perf_counter() - started)
 
-    def replay(self, tokens: list[int], rows: list[RowKV]) -> torch.Tensor:
-        """Logits `[len(rows), vocab]` for one decode token per row."""
-        from gateway.engine.model_runner import layout_columns
+    def _capture(self, into: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int, step: StepInputs,
+                 last: torch.Tensor | None, pool: Any) -> Any:
+        args = (self._ids[:, :size], self._positions[:, :size], step, last)
+        self.runner.run(*args)  # compiles kernels, settles the allocator
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            logits = self.runner.run(*args)
+        into[size] = (graph, logits)
+        return graph.pool() if pool is None else pool
 
+    def replay_decode(self, tokens: list[int], rows: list[RowKV]) -> torch.Tensor:
+        """Logits `[len(rows), vocab]` for one decode token per row."""
         count = len(rows)
-        size = next(s for s in self.sizes if s >= count)
-        scratch = self.runner.pool.scratch_token
-        host = torch.tensor([tokens + [0] * (size - count),
-                             [row.position for row in rows] + [0] * (size - count),
-                             [row.own.token_start + row.own_len for row in rows] + [scratch] * (size - count)],
-                            dtype=torch.long)
+        size = next(s for s in self.decode_sizes if s >= count)
+        pad, scratch = size - count, self.runner.pool.scratch_token
+        self._inputs(tokens + [0] * pad, [row.position for row in rows] + [0] * pad,
+                     [row.own.token_start + row.own_len for row in rows] + [scratch] * pad)
         columns = layout_columns(rows, [1] * count)
-        pad = [list(range(count, size)), [1] * (size - count), [0] * (size - count), [0] * (size - count),
-               [scratch] * (size - count), [1] * (size - count)]
-        table = torch.tensor([c + p for c, p in zip(columns, pad, strict=True)] + [list(range(size))],
+        padding = [list(range(count, size)), [1] * pad, [0] * pad, [0] * pad, [scratch] * pad, [1] * pad]
+        table = torch.tensor([c + p for c, p in zip(columns, padding, strict=True)] + [list(range(size))],
                              dtype=torch.int32)
-        self._ids[0, :size].copy_(host[0], non_blocking=True)
-        self._positions[0, :size].copy_(host[1], non_blocking=True)
-        self._slots[:size].copy_(host[2], non_blocking=True)
         self._table[:, :size].copy_(table, non_blocking=True)
-        graph, logits = self._graphs[size]
+        graph, logits = self._decode[size]
         graph.replay()
         return logits[:count]
 
-    def _layout(self, size: int) -> KVLayout:
+    def replay_prefill(self, tokens: list[int], row: RowKV) -> torch.Tensor:
+        """Logits `[1, vocab]` after a prompt chunk of one sequence alone."""
+        count = len(tokens)
+        size = next(s for s in self.prefill_sizes if s >= count)
+        pad, scratch = size - count, self.runner.pool.scratch_token
+        start = row.own.token_start + row.own_len
+        self._inputs(tokens + [0] * pad, list(range(row.position, row.position + count)) + [0] * pad,
+                     list(range(start, start + count)) + [scratch] * pad)
+        self._last.fill_(count - 1)
+        table = torch.tensor([c[0] for c in layout_columns([row], [count])] + [0], dtype=torch.int32)
+        self._table[:, 0].copy_(table, non_blocking=True)
+        graph, logits = self._prefill[size]
+        graph.replay()
+        return logits
+
+    def _inputs(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
+        size = len(ids)
+        host = torch.tensor([ids, positions, slots], dtype=torch.long)
+        self._ids[0, :size].copy_(host[0], non_blocking=True)
+        self._positions[0, :size].copy_(host[1], non_blocking=True)
+        self._slots[:size].copy_(host[2], non_blocking=True)
+
+    def _decode_layout(self, size: int) -> KVLayout:
         t = self._table
         empty = torch.zeros(0, dtype=torch.int32, device=t.device)
         return KVLayout(t[0, :size], t[1, :size], t[2, :size], t[3, :size], t[4, :size], t[5, :size],
                         decode_rows=t[6, :size], tile_seq=empty, tile_first=empty, num_decode=size, num_tiles=0)
 
-    def _fill_padding(self, count: int) -> None:
+    def _prefill_layout(self, size: int) -> KVLayout:
+        t = self._table
+        tiles = -(-size // attention.PREFILL_BLOCK_M)
+        return KVLayout(t[0, :1], t[1, :1], t[2, :1], t[3, :1], t[4, :1], t[5, :1], decode_rows=t[6, :0],
+                        tile_seq=self._tiles[0, :tiles], tile_first=self._tiles[1, :tiles], num_decode=0,
+                        num_tiles=tiles)
+
+    def _fill_padding(self) -> None:
         """Every row a padding row (scratch token), for capture."""
         scratch = self.runner.pool.scratch_token
         rows = torch.arange(self.max_rows, dtype=torch.int32, device=self._table.device)

@@ -5,8 +5,9 @@ goes through the model's own transformers code as one `[1, T]` batch with per-to
 each linear layer is one matrix product over all T tokens. Attention is the one function toolkv
 registers in transformers' `AttentionInterface`; it writes the step's new keys and values into
 the block pool and reads every sequence's KV in place, in one of two ways (`backend`):
-- "triton" (CUDA): the kernels of engine/attention.py over per-sequence metadata, and decode-only
-  steps replayed from CUDA graphs captured at start-up per batch-size bucket (nano-vllm's scheme);
+- "triton" (CUDA): the kernels of engine/attention.py over per-sequence metadata, and decode
+  steps and short prompt chunks replayed from CUDA graphs captured at start-up per bucket
+  (engine/cuda_graphs.py, nano-vllm's scheme);
 - "torch" (the CPU, or a GPU without Triton): per sequence, over the pool's strided views (a
   decode row: scores per segment, one softmax, `probs @ v` per segment; a prompt chunk: torch's
   fused SDPA over the segments joined into one copy).
@@ -222,7 +223,7 @@ class ModelRunner:
         self.backend: Backend = backend
         self.batch_invariant = batch_invariant
         self._split = _Split()
-        self.graphs: Any = None  # engine/cuda_graphs.DecodeGraphs, once captured
+        self.graphs: Any = None  # engine/cuda_graphs.StepGraphs, once captured
         model.requires_grad_(False)  # autograd bookkeeping changes which kernels run
         model.config._attn_implementation = ATTENTION_NAME
         for module in model.modules():
@@ -241,8 +242,10 @@ class ModelRunner:
         """Logits `[S, vocab]` after the last token of each row; `tokens[i]` are row i's new tokens
         (rows of one token first, for the batch-invariant split)."""
         sizes = [len(t) for t in tokens]
-        if self.graphs is not None and all(size == 1 for size in sizes) and self.graphs.fits(len(rows)):
-            return self.graphs.replay([t[0] for t in tokens], rows)  # type: ignore[no-any-return]
+        if self.graphs is not None and all(size == 1 for size in sizes) and self.graphs.fits_decode(len(rows)):
+            return self.graphs.replay_decode([t[0] for t in tokens], rows)  # type: ignore[no-any-return]
+        if self.graphs is not None and len(rows) == 1 and self.graphs.fits_prefill(sizes[0]):
+            return self.graphs.replay_prefill(tokens[0], rows[0])  # type: ignore[no-any-return]
         step = self._inputs(rows, sizes)
         ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[row.position + i for row, size in zip(rows, sizes, strict=True)
