@@ -93,15 +93,12 @@ class StepInputs:
     layout: KVLayout | None = None
     slots: torch.Tensor | None = None
 
-    @property
-    def singles(self) -> int:
-        """The leading rows of one token each (decode rows)."""
-        count = 0
-        for size in self.sizes:
-            if size != 1:
-                break
-            count += 1
-        return count
+    singles: int = 0  # the leading rows of one token each (decode rows)
+    total: int = 0  # tokens in the step
+
+    def __post_init__(self) -> None:  # read by every linear layer of the pass: computed once
+        self.total = sum(self.sizes)
+        self.singles = next((i for i, size in enumerate(self.sizes) if size != 1), len(self.sizes))
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -188,7 +185,7 @@ def _invariant_linear(split: _Split, layer: nn.Linear, x: torch.Tensor) -> torch
     step = split.step
     if step is None or x.dim() != 3 or x.shape[0] != 1:
         return nn.functional.linear(x, layer.weight, layer.bias)
-    if x.shape[1] == sum(step.sizes):
+    if x.shape[1] == step.total:
         singles, chunks = step.singles, step.sizes[step.singles:]
     elif x.shape[1] == len(step.sizes):
         singles, chunks = len(step.sizes), []
