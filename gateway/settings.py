@@ -46,7 +46,7 @@ class Settings(BaseModel):
     # generation
     default_max_tokens: int = Field(512, ge=1)
     # Constrained output (tool calls, response_format): the most characters a string the schema
-    # leaves unbounded may hold (gateway/constraints.py); 0: no bound
+    # leaves unbounded may hold (gateway/engine/constraints.py); 0: no bound
     max_string_chars: int = Field(256, ge=0)
     # ... and its last tokens before max_tokens steer it to its nearest valid end (0: off, cut as
     # OpenAI cuts: finish "length")

@@ -236,8 +236,8 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:
     """Settings for the in-process model, or None when it would not be the server's model."""
-    from gateway.cli import DEFAULT_CONFIG
-    from gateway.model_loader import resolve_source
+    from gateway.cli.main import DEFAULT_CONFIG
+    from gateway.engine.model_loader import resolve_source
     from gateway.settings import load_settings
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)

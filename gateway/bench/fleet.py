@@ -278,9 +278,9 @@ def group_id(body: dict[str, Any]) -> str:
 
 
 def tenant_salt(api_key: str | None) -> str:
-    """The salt the ingress routes a key's groups by: "" on an open gateway (gateway.auth)."""
+    """The salt the ingress routes a key's groups by: "" on an open gateway (gateway.edge.auth)."""
     if api_key is None:
         return ""
-    from gateway.auth import _salt
+    from gateway.edge.auth import _salt
 
     return _salt(api_key.encode())

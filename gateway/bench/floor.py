@@ -47,7 +47,7 @@ class FloorProbe:
         from transformers.utils import logging as hf_logging
 
         from gateway.metrics import Metrics
-        from gateway.runtime import build_runtime
+        from gateway.serving.runtime import build_runtime
 
         hf_logging.disable_progress_bar()  # the bench's own progress display owns the terminal
         previous = os.environ.get("TQDM_DISABLE")
@@ -66,7 +66,7 @@ class FloorProbe:
 
     def prepare(self, body: dict[str, Any]) -> tuple[Any, float]:
         """The engine job the server would build for `body`, and the time that took (ms)."""
-        from gateway.protocol import ChatCompletionRequest
+        from gateway.protocol.chat import ChatCompletionRequest
 
         started = time.perf_counter()
         job = self.runtime.service.prepare(ChatCompletionRequest.model_validate({**body, "max_tokens": 1})).job

@@ -53,13 +53,13 @@ from gateway.engine.events import (
 from gateway.engine.model_info import eos_ids, pool_shape, special_ids
 from gateway.engine.model_runner import Backend, ModelRunner, RowKV
 from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
+from gateway.engine.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore
-from gateway.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gateway.sampling import SamplingParams, TokenLogprob
+from gateway.engine.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from gateway.constraints import Constraint
+    from gateway.engine.constraints import Constraint
 
 CacheResult = Literal["hit", "miss", "bypass", "skip"]
 

@@ -21,9 +21,9 @@ from gateway.engine.chunks import next_end
 from gateway.engine.events import CacheResult, Job
 from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
+from gateway.engine.sampling import HeldLogprobs, Sampler, TextStream
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.sampling import HeldLogprobs, Sampler, TextStream
 
 
 class Phase(enum.Enum):

@@ -19,12 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admission import Preparer, TenantQuota
-from gateway.auth import KeyRing, Tenant
-from gateway.browser_guard import install_browser_guard
+from gateway.edge.admission import Preparer, TenantQuota
+from gateway.edge.auth import KeyRing, Tenant
+from gateway.edge.browser_guard import install_browser_guard
+from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
+from gateway.edge.limits import BodySizeLimit
 from gateway.errors import BadRequest, NotFound, UpstreamUnavailable
-from gateway.http_edge import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
-from gateway.limits import BodySizeLimit
 from gateway.proxy import upstream_info
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage, passed_headers

@@ -65,9 +65,9 @@ class EngineReplica:
     """One model runtime: the model app, started here; the ingress calls `call` per request."""
 
     async def __init__(self, settings_json: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray awaits it
-        from gateway.app import create_app
+        from gateway.api.app import create_app
         from gateway.metrics import Metrics
-        from gateway.runtime import Runtime, build_runtime
+        from gateway.serving.runtime import Runtime, build_runtime
 
         loaded: concurrent.futures.Future[Runtime] = concurrent.futures.Future()
 
@@ -120,7 +120,7 @@ def configure_replica_logging(settings: Settings) -> None:
     """The gateway's own log format (JSON with `log_json`) and level in a Ray worker, so each
     request's INFO line carries its fields as `toolkv serve` prints them; httpx's line per call
     to a replica is left out unless debugging."""
-    from gateway.cli import configure_logging
+    from gateway.cli.main import configure_logging
 
     configure_logging(settings)
     if settings.log_level != "debug":

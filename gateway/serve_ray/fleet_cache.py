@@ -1,4 +1,4 @@
-"""The fleet's cache through the ingress: the single gateway's endpoints (`gateway/cache_routes.py`)
+"""The fleet's cache through the ingress: the single gateway's endpoints (`gateway/api/cache_routes.py`)
 across the engine replicas, each answer naming them. `GET /v1/cache` lists every replica's
 entries, each with its `replica` (an entry in a shared cache dir's disk tier is listed by every
 replica that can load it); `GET /v1/cache/{id}` is that entry as a replica holding it in RAM sees
@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from adapters.base import ToolGroup, ToolSpec
-from gateway.cache_ids import checked_id, unknown_entry
+from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.errors import UpstreamUnavailable
 from gateway.proxy.app import upstream_headers
 from gateway.proxy.routing import affinity_key

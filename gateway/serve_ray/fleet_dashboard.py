@@ -1,4 +1,4 @@
-"""The dashboard on the Ray ingress: the single gateway's page (`gateway/dashboard.py`, the same
+"""The dashboard on the Ray ingress: the single gateway's page (`gateway/api/dashboard.py`, the same
 files, the same browser guard and CSP) over the whole fleet. `GET /v1/dashboard/stats` computes
 the numbers with the single gateway's functions from the fleet's merged series (every replica's,
 labelled `replica`), and adds a row per replica: its name, status, requests in flight, hits and
@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics_core import Metric
 
-from gateway.dashboard import MAX_GROUP_ROWS, engine, request_totals, totals, ttft_windows
+from gateway.api.dashboard import MAX_GROUP_ROWS, engine, request_totals, totals, ttft_windows
 from gateway.metrics import EngineView
 from gateway.serve_ray.fleet_calls import ReplicaAnswer, ask_replicas, fleet_status, replica_health
 from gateway.serve_ray.fleet_metrics import fleet_families, ingress_name, only_replica

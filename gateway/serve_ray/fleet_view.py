@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from gateway import dashboard
+from gateway.api import dashboard
 from gateway.serve_ray import fleet_cache, fleet_dashboard
 from gateway.serve_ray.fleet_calls import fleet_status, replica_health
 from gateway.serve_ray.fleet_metrics import fleet_collector

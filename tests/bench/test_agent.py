@@ -29,8 +29,8 @@ from gateway.bench.trajectories import (
     turn_body,
 )
 from gateway.bench.workload import Workload
-from gateway.cli import main
-from gateway.protocol import ChatCompletionRequest
+from gateway.cli.main import main
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from gateway.cli import main
+from gateway.cli.main import main
 from tests.support.server import LiveServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

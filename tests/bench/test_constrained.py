@@ -16,7 +16,7 @@ from gateway.bench.bfcl import MERCHANT_SLICE, SCHEMA_ROWS, load_tool_rows, quic
 from gateway.bench.constrained import BOUND_CHARS, bounded_schema, grammar_cost, load_rows, request_body
 from gateway.bench.constrained_report import constrained_targets
 from gateway.bench.validity import Answer, StreamAssembler, answer_problem, call_problem
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
 

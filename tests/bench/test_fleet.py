@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from tests.support.server import wait_until_ready
 
 REPLICAS = ("engine-0", "engine-1")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import create_app
+from gateway.api.app import create_app
 from gateway.bench.client import BenchClient
 from gateway.bench.scenarios import Context, Plan, run_restart
 from gateway.bench.workload import Workload
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.settings import Settings, load_settings
 from tests.support.server import serve_app
 

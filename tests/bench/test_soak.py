@@ -7,7 +7,7 @@ import contextlib
 import io
 import json
 
-from gateway.cli import main
+from gateway.cli.main import main
 from tests.support.server import LiveServer
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.runtime import Runtime
+from gateway.serving.runtime import Runtime
 from tests.cache.entries import bitwise_equal
 from tests.engine.conftest import generate, make_runtime
 

@@ -199,7 +199,7 @@ def test_damaged_files_after_a_restart_are_recomputed_and_counted(first_run: Fir
 def cli(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[int, str, str]]]:
     """`toolkv cache ...` through the real CLI entry point, in this process (no server)."""
-    from gateway.cli import main
+    from gateway.cli.main import main
 
     for name in [n for n in os.environ if n.startswith("TOOLKV_")]:
         monkeypatch.delenv(name)

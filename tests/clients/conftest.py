@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.app import create_app
+from gateway.api.app import create_app
 from gateway.settings import load_settings
 from tests.clients.scenario import MODEL
 from tests.clients.spec_wire import SpecWire, WireLog

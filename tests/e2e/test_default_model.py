@@ -91,7 +91,7 @@ def test_the_parity_set_sent_at_once_equals_each_query_alone_without_the_cache(c
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
+    from gateway.cli.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
 
     tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
 
@@ -145,7 +145,7 @@ def test_forced_and_structured_requests_are_always_valid_and_the_cache_never_cha
 
     import jsonschema
 
-    from gateway.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
+    from gateway.cli.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
 
     tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}

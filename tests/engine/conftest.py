@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from gateway.engine import Finished, Prefilled, TextDelta
+from gateway.engine.sampling import TokenLogprob
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest
-from gateway.runtime import Runtime, build_runtime
-from gateway.sampling import TokenLogprob
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import load_settings
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.engine import Finished, Prefilled, TextDelta
 from gateway.errors import Overloaded
-from gateway.protocol import ChatCompletionRequest
-from gateway.runtime import Runtime
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.runtime import Runtime
 from tests.engine.conftest import Run, generate, not_kept
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -147,7 +147,7 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_blocks(runtime_for, 
 
 def test_warming_a_group_does_not_stop_the_requests_running(runtime_for, merchant_tools):
     """Warm-up compiles in chunks on the step loop: a request sent after it finishes first."""
-    from gateway.cache_admin import WarmRequest, plan_warm, warm_plan
+    from gateway.serving.cache_admin import WarmRequest, plan_warm, warm_plan
 
     runtime = runtime_for("llama", prefill_chunk_tokens=16)
     plan = plan_warm(runtime.service, WarmRequest.model_validate({"tools": merchant_tools[10:35]}), 256)

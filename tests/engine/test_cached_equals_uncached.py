@@ -35,7 +35,7 @@ def test_miss_hit_and_bypass_give_identical_greedy_tokens(runtime_for, merchant_
 def test_hit_reports_the_whole_tool_group_as_cached(runtime_for, merchant_tools, arch):
     runtime = runtime_for(arch)
     request = body(merchant_tools[:6])
-    from gateway.protocol import ChatCompletionRequest
+    from gateway.protocol.chat import ChatCompletionRequest
 
     prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))
     tokenizer = runtime.loaded.tokenizer

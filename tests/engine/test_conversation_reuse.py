@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from adapters.base import canonical_rank
-from gateway.protocol import ChatCompletionRequest
-from gateway.runtime import Runtime
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.runtime import Runtime
 from tests.engine.conftest import generate, not_kept
 from tests.engine.test_batching import TINY_KV_BYTES_PER_TOKEN
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.chat import ChatCompletionRequest
 from tests.engine.conftest import generate
 
 

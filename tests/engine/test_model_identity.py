@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.model_loader import FORCE_GQA_ENV, load_model
+from gateway.engine.model_loader import FORCE_GQA_ENV, load_model
 from gateway.settings import load_settings
 
 

@@ -187,9 +187,9 @@ def test_sdk_raises_typed_errors(client):
 def test_one_structured_log_line_per_request_without_the_prompt(client, merchant_tools, caplog):
     import logging
 
-    from gateway.cli import _JsonFormatter
+    from gateway.cli.main import _JsonFormatter
 
-    with caplog.at_level(logging.INFO, logger="gateway.serving"):
+    with caplog.at_level(logging.INFO, logger="gateway.serving.service"):
         resp = client.chat.completions.create(model="tiny-llama", messages=ask("secret question 42"),
                                               tools=merchant_tools[:3], tool_choice="none", max_tokens=3)
     records = [r for r in caplog.records if r.getMessage() == "request done"]

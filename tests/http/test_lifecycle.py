@@ -7,8 +7,8 @@ import time
 
 import httpx
 
-from gateway.app import create_app
-from gateway.runtime import build_runtime
+from gateway.api.app import create_app
+from gateway.serving.runtime import build_runtime
 from gateway.settings import load_settings
 from tests.support.server import serve_app, wait_until_ready
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.app import create_app
+from gateway.api.app import create_app
 from gateway.settings import load_settings
 from tests.clients.scenario import ORDER_ARGS, ORDER_ID, hermes_calls, tool_result
 from tests.http.conftest import RESPONSES_KEYS

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.dashboard import STATIC_DIR, TtftWindows, quantile
+from gateway.api.dashboard import STATIC_DIR, TtftWindows, quantile
 from gateway.metrics import Metrics
 from tests.observability.traffic import Exercised, scrape
 from tests.support.server import LiveServer
@@ -107,7 +107,7 @@ def test_stats_have_no_engine_before_the_model_has_loaded() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from gateway import dashboard
+    from gateway.api import dashboard
 
     app = FastAPI()
     app.include_router(dashboard.router)

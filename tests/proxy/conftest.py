@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from adapters.base import ToolGroup, ToolSpec
-from gateway.app import create_app
-from gateway.http_server import server_config
+from gateway.api.app import create_app
+from gateway.edge.server import server_config
 from gateway.proxy.app import create_proxy_app
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings

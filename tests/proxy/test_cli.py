@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.settings import SettingsError, load_settings
 from tests.proxy.conftest import running
 from tests.proxy.fake_upstream import Arrivals, FakeUpstream
@@ -46,7 +46,7 @@ def test_a_bad_cache_salt_mode_is_named():
 
 
 def test_proxy_mode_builds_without_importing_torch():
-    code = ("import sys; from gateway.cli import _app; from gateway.settings import load_settings; "
+    code = ("import sys; from gateway.cli.main import _app; from gateway.settings import load_settings; "
             "_app(load_settings(overrides={'upstreams': ('http://127.0.0.1:9',)}, environ={})); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=_env())

@@ -18,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import _salt
+from gateway.edge.auth import _salt
 from tests.proxy.conftest import (
     client_for,
     group_id,

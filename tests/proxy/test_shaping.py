@@ -13,7 +13,7 @@ import pytest
 from adapters.base import ToolGroup
 from adapters.render import _split_system
 from gateway.errors import BadRequest
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
 from gateway.proxy.metrics import Usage
 from gateway.proxy.shaping import shape

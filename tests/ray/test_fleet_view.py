@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.browser_guard import DASHBOARD_CSP
-from gateway.dashboard import STATIC_DIR
+from gateway.api.dashboard import STATIC_DIR
+from gateway.edge.browser_guard import DASHBOARD_CSP
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401  # browser: a fixture

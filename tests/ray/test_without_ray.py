@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HIDE_RAY = "import sys; sys.modules['ray'] = None; from gateway.cli import main; raise SystemExit(main(sys.argv[1:]))"
+HIDE_RAY = ("import sys; sys.modules['ray'] = None; from gateway.cli.main import main; "
+            "raise SystemExit(main(sys.argv[1:]))")
 
 
 def test_replicas_without_ray_names_the_extra_to_install():
@@ -20,7 +21,7 @@ def test_replicas_without_ray_names_the_extra_to_install():
 
 
 def test_replicas_and_upstreams_together_are_refused(capsys):
-    from gateway.cli import main
+    from gateway.cli.main import main
 
     assert main(["serve", "--replicas", "2", "--upstream", "http://127.0.0.1:9"]) == 2
     assert "--replicas" in capsys.readouterr().err

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.browser_guard import install_browser_guard, split_host
+from gateway.api.app import create_app
+from gateway.edge.browser_guard import install_browser_guard, split_host
 from gateway.settings import load_settings
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401 - the fixture
 from tests.support.server import LiveServer, serve_app

@@ -119,7 +119,7 @@ def test_one_key_cannot_hold_more_than_its_quota_and_others_still_get_served(liv
 
 
 def _salt(live, key: str) -> str:
-    from gateway.auth import _salt
+    from gateway.edge.auth import _salt
 
     return _salt(key.encode())
 
@@ -129,7 +129,7 @@ def test_a_non_streaming_client_that_hangs_up_cancels_its_generation(live, caplo
     cancelled_before = engine.num_cancelled
     hangups_before = requests_counted(live, "499", "false")
     ok_before = requests_counted(live, "200", "false")
-    caplog.set_level(logging.INFO, logger="gateway.serving")  # the server logs the 499 after the hang-up
+    caplog.set_level(logging.INFO, logger="gateway.serving.service")  # the server logs the 499 after the hang-up
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.api_url + "/chat/completions", json=LONG, headers=auth(KEYS[0]), timeout=1.5)
     assert wait_for(lambda: requests_counted(live, "499", "false") == hangups_before + 1)
@@ -159,7 +159,7 @@ def test_an_unexpected_error_is_a_counted_500_logged_with_its_request_id(live, c
     before = requests_counted(live, "500", "unknown")
     service.prepare = broken
     try:
-        with caplog.at_level(logging.ERROR, logger="gateway.app"):
+        with caplog.at_level(logging.ERROR, logger="gateway.api.app"):
             resp = httpx.post(live.api_url + "/chat/completions", json=HI, headers=auth(KEYS[0]), timeout=60)
     finally:
         service.prepare = real

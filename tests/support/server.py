@@ -14,8 +14,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.app import create_app
-from gateway.http_server import server_config
+from gateway.api.app import create_app
+from gateway.edge.server import server_config
 from gateway.settings import Settings
 
 READY_DEADLINE_S = 300.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import create_app
+from gateway.api.app import create_app
 from tests.support.server import LiveServer, serve_app
 from tests.tools.models import SETUPS, build_family_model, family_settings, scripted_runtime
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from gateway.engine.model_loader import load_model
 from gateway.metrics import Metrics
-from gateway.model_loader import load_model
-from gateway.runtime import Runtime, build_runtime
+from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import Settings
 from tests.support.models import build_tiny_model
 

@@ -18,8 +18,8 @@ from adapters.render import PromptRenderer
 from adapters.toolcalls import ParsedToolCall, get_parser
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving import ChatService, Prepared
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.service import ChatService, Prepared
 from tests.conftest import WORKLOADS
 from tests.tools.models import SETUPS
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from gateway.cli import main
-from gateway.parity import RETAIL_QUERIES, STRUCTURED_QUERIES, Answer, Query, Report
+from gateway.cli.main import main
+from gateway.cli.parity import RETAIL_QUERIES, STRUCTURED_QUERIES, Answer, Query, Report
 from tests.conftest import WORKLOADS
 
 RETAIL_TOOLS = WORKLOADS / "retail_16_tools.json"

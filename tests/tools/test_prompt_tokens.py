@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 from adapters.base import ChatMessage, ToolSpec
 from adapters.families import detect_family
 from adapters.render import PromptRenderer
-from gateway.prompt_tokens import PromptTokenizer
+from gateway.serving.prompt_tokens import PromptTokenizer
 from tests.conftest import WORKLOADS
 from tests.tools.models import SETUPS
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
-from gateway.constraints import GrammarError, Grammars, closed, json_grammar, tool_grammar
+from gateway.engine.constraints import GrammarError, Grammars, closed, json_grammar, tool_grammar
 from tests.tools.models import SETUPS, save_family_tokenizer
 
 ORDER = ToolSpec("get_order_details", "Get an order.",

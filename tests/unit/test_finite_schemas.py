@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.finite_schemas import has_finite_instance
+from gateway.serving.finite_schemas import has_finite_instance
 
 NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
-from gateway.response_store import ResponseStore, StoredResponse, Turn, stored_bytes
-from gateway.responses_output import ResponseShape, output_of
-from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
-from gateway.responses_retrieval import InputItemsQuery, listed_items, page
-from gateway.responses_stream import ResponseEvents
+from gateway.api.responses.retrieval import InputItemsQuery, listed_items, page
+from gateway.api.responses.store import ResponseStore, StoredResponse, Turn, stored_bytes
+from gateway.api.responses.stream import ResponseEvents
+from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.protocol.responses_output import ResponseShape, output_of
 
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}

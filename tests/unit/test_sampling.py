@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.sampling import HeldLogprobs, Sampler, SamplingParams, TokenLogprob, penalized
+from gateway.engine.sampling import HeldLogprobs, Sampler, SamplingParams, TokenLogprob, penalized
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-10])
@@ -103,7 +103,7 @@ def test_held_logprobs_go_with_the_text_that_ends_their_token_and_a_stop_drops_t
 
 
 def test_a_partial_character_ends_where_the_character_does():
-    from gateway.sampling import _written_chars
+    from gateway.engine.sampling import _written_chars
 
     assert _written_chars("ab") == 2 and _written_chars("ab\ufffd") == 3 and _written_chars("ab\ufffd\ufffd") == 3
 
@@ -111,7 +111,7 @@ def test_a_partial_character_ends_where_the_character_does():
 @pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (the whole vocabulary is sorted) to peaked
 @pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
 def test_top_p_sorting_only_the_likeliest_tokens_gives_the_full_sorts_nucleus(scale, top_p):
-    from gateway.sampling import _nucleus, _top_p
+    from gateway.engine.sampling import _nucleus, _top_p
 
     probs = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(7)) * scale, dim=-1)
     full = _nucleus(probs, *torch.sort(probs, descending=True), top_p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.settings import SettingsError, load_settings
 
 

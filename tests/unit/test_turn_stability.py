@@ -30,8 +30,8 @@ from transformers import AutoTokenizer
 from adapters.base import ChatMessage, ToolSpec
 from adapters.families import detect_family
 from adapters.render import PromptRenderer, RenderError
-from gateway.prompt_tokens import PromptTokenizer
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.prompt_tokens import PromptTokenizer
 from tests.conftest import WORKLOADS
 from tests.tools.models import SETUPS, save_family_tokenizer
 
@@ -63,7 +63,7 @@ def chat(messages: Messages) -> tuple[list[ChatMessage], list[ToolSpec]]:
 
 @dataclass(frozen=True)
 class Prompt:
-    ids: list[int]  # as the engine gets them (gateway.prompt_tokens)
+    ids: list[int]  # as the engine gets them (gateway.serving.prompt_tokens)
     prefix_len: int  # the tool group's tokens
     body_len: int  # the tokens before the generation prompt
 

@@ -12,10 +12,10 @@ import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import KeyRing
+from gateway.edge.auth import KeyRing
+from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
-from gateway.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.settings import Settings
 
 

@@ -11,6 +11,7 @@ import torch
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from gateway.engine import Engine, attention
 from gateway.engine.chunks import turn_opening
+from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.model_runner import Backend
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
@@ -18,8 +19,7 @@ from gateway.kvcache.keys import CacheIdentity
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
-from gateway.model_loader import LoadedModel, load_model
-from gateway.serving import ChatService
+from gateway.serving.service import ChatService
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import disconnected
+from gateway.edge.admission import disconnected
+from gateway.edge.limits import check_json_depth
 from gateway.errors import APIError, BadRequest, error_envelope
-from gateway.limits import check_json_depth
-from gateway.protocol import UnsupportedField
+from gateway.protocol.chat import UnsupportedField
 
 log = logging.getLogger(__name__)
 

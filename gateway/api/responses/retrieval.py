@@ -12,11 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.api.responses.store import ResponseStore, StoredResponse
+from gateway.edge.handlers import validation_error
 from gateway.errors import BadRequest, NotFound
-from gateway.http_edge import validation_error
-from gateway.response_store import ResponseStore, StoredResponse
-from gateway.responses_output import function_call_item, new_item_id, text_part
-from gateway.responses_protocol import FunctionCallItem, InputItem, MessageItem, TextPart
+from gateway.protocol.responses import FunctionCallItem, InputItem, MessageItem, TextPart
+from gateway.protocol.responses_output import function_call_item, new_item_id, text_part
 
 router = APIRouter()
 

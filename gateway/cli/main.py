@@ -9,11 +9,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gateway import bench, cache_cli, parity
-from gateway.cli_errors import CliError, run_reporting_errors
+from gateway import bench
+from gateway.cli import cache as cache_cli
+from gateway.cli import parity
+from gateway.cli.errors import CliError, run_reporting_errors
 from gateway.settings import Settings, SettingsError, load_settings
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "toolkv.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "toolkv.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings)
     import uvicorn
 
-    from gateway.http_server import server_config
+    from gateway.edge.server import server_config
 
     log = logging.getLogger("gateway")
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -107,7 +109,7 @@ def _app(settings: Settings) -> Any:
         if settings.log_level != "debug":  # httpx logs every upstream call; a request's line is the proxy's own
             logging.getLogger("httpx").setLevel(logging.WARNING)
         return create_proxy_app(settings)
-    from gateway.app import create_app
+    from gateway.api.app import create_app
 
     return create_app(settings)
 
@@ -115,7 +117,7 @@ def _app(settings: Settings) -> Any:
 def _check_model_source(settings: Settings) -> None:
     """A model that cannot be found stops start-up with one line; without this the server starts,
     its background load fails with a traceback in the log, and /health says `failed`."""
-    from gateway.model_loader import ModelLoadError, resolve_source
+    from gateway.engine.model_loader import ModelLoadError, resolve_source
 
     try:
         resolve_source(settings)

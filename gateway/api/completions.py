@@ -19,9 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.engine import EngineEvent, Job
-from gateway.errors import BadRequest, ContextLengthExceeded
-from gateway.generation_http import (
+from gateway.api.generation import (
     CLIENT_CLOSED_REQUEST,
     GONE,
     Arrival,
@@ -34,8 +32,10 @@ from gateway.generation_http import (
     unless_disconnected,
     whole_json,
 )
-from gateway.logprobs import LegacyLogprobs
-from gateway.protocol import (
+from gateway.engine import EngineEvent, Job
+from gateway.engine.sampling import SamplingParams
+from gateway.errors import BadRequest, ContextLengthExceeded
+from gateway.protocol.chat import (
     INT64_MAX,
     INT64_MIN,
     MAX_TOKENS_LIMIT,
@@ -43,9 +43,9 @@ from gateway.protocol import (
     UnsupportedField,
     check_logit_bias,
 )
-from gateway.runtime import Runtime, loaded_runtime
-from gateway.sampling import SamplingParams
-from gateway.serving import ChatService, Prepared
+from gateway.serving.logprobs import LegacyLogprobs
+from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.service import ChatService, Prepared
 
 router = APIRouter()
 

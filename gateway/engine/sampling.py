@@ -13,7 +13,7 @@ import torch
 from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
 if TYPE_CHECKING:
-    from gateway.constraints import Constraint
+    from gateway.engine.constraints import Constraint
 
 GREEDY_BELOW = 1e-5
 

@@ -1,4 +1,4 @@
-"""The live dashboard: the page at `/` and its assets, served from `gateway/static/` (no CDN), and
+"""The live dashboard: the page at `/` and its assets, served from `gateway/api/static/` (no CDN), and
 `GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
 registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
 store's public listing; the serving layer knows nothing about the dashboard. The numbers are
@@ -23,7 +23,7 @@ from gateway.errors import NotFound
 from gateway.metrics import EngineView, Metrics
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.serving.runtime import Runtime
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

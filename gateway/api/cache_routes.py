@@ -1,6 +1,6 @@
 """Cache management endpoints: `POST /v1/cache/warm`, `GET /v1/cache`, `GET /v1/cache/{id}`,
 `DELETE /v1/cache/{id}`, `DELETE /v1/cache`. They need the admin key when API keys are set. An id
-is an entry's key digest (64 lowercase hex, `gateway/cache_ids.py`); anything else is rejected
+is an entry's key digest (64 lowercase hex, `gateway/edge/cache_ids.py`); anything else is rejected
 before it can reach the filesystem. Warming fills the shared namespace: what an open gateway, and
 tenants using a group listed in `shared_groups`, look up."""
 
@@ -13,12 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from gateway.cache_admin import WarmRequest, entry_dict, plan_warm, warm_plan
-from gateway.cache_ids import checked_id, unknown_entry
+from gateway.edge.cache_ids import checked_id, unknown_entry
+from gateway.edge.limits import check_json_depth
 from gateway.engine import QueueFull
 from gateway.errors import BadRequest, Overloaded
-from gateway.limits import check_json_depth
-from gateway.runtime import Runtime, loaded_runtime
+from gateway.serving.cache_admin import WarmRequest, entry_dict, plan_warm, warm_plan
+from gateway.serving.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
 router = APIRouter()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.responses_output import (
+from gateway.protocol.responses_output import (
     ItemStatus,
     ResponseShape,
     function_call_item,

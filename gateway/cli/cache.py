@@ -21,15 +21,15 @@ import orjson
 from pydantic import ValidationError
 
 from adapters.render import RenderError
-from gateway.cli_errors import EXIT_FAILURE, CliError
+from gateway.cli.errors import EXIT_FAILURE, CliError
+from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.errors import APIError
-from gateway.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
-    from gateway.cache_admin import Warmed, WarmRequest
     from gateway.kvcache.disk_tier import DiskRecord, DiskTier
-    from gateway.runtime import Runtime
+    from gateway.serving.cache_admin import Warmed, WarmRequest
+    from gateway.serving.runtime import Runtime
 
 _ENTRY_ID = re.compile(r"[0-9a-f]{64}")
 
@@ -100,7 +100,7 @@ def _clear(args: argparse.Namespace) -> int:
 def _warm(args: argparse.Namespace) -> int:
     settings = _settings(args)
     request = read_warm_file(Path(args.file), settings.max_schema_depth)
-    from gateway.cli import configure_logging
+    from gateway.cli.main import configure_logging
 
     configure_logging(settings)
     warmed, on_disk = _warm_with_model(settings, request)
@@ -115,7 +115,7 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str, Any], bool]:
     from gateway.metrics import Metrics
-    from gateway.runtime import build_runtime
+    from gateway.serving.runtime import build_runtime
 
     try:
         runtime = build_runtime(settings, Metrics())
@@ -131,7 +131,7 @@ def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str
 
 
 def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warmed:
-    from gateway.cache_admin import plan_warm, warm_plan
+    from gateway.serving.cache_admin import plan_warm, warm_plan
 
     try:
         plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
@@ -146,7 +146,7 @@ def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warm
 def read_warm_file(path: Path, max_schema_depth: int) -> WarmRequest:
     """The file's tools and system prompt; a `CliError` naming the file and the problem for
     anything else. Nesting is measured before pydantic (or anything recursive) sees the data."""
-    from gateway.cache_admin import WarmRequest
+    from gateway.serving.cache_admin import WarmRequest
 
     try:
         data = orjson.loads(path.read_bytes())
@@ -182,7 +182,7 @@ def _check_file_depth(path: Path, data: dict[str, Any], max_schema_depth: int) -
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    from gateway.cli import settings_from_args
+    from gateway.cli.main import settings_from_args
 
     try:
         return settings_from_args(args)

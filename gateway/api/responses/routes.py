@@ -16,8 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from gateway.errors import APIError, BadRequest
-from gateway.generation_http import (
+from gateway.api.generation import (
     CLIENT_CLOSED_REQUEST,
     GONE,
     Arrival,
@@ -31,9 +30,14 @@ from gateway.generation_http import (
     validation_error,
     whole_json,
 )
-from gateway.protocol import ChatCompletionRequest
-from gateway.response_store import ResponseStore, StoredResponse, Turn
-from gateway.responses_output import (
+from gateway.api.responses.retrieval import listed_items
+from gateway.api.responses.retrieval import router as retrieval_router
+from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
+from gateway.api.responses.stream import ResponseEvents
+from gateway.errors import APIError, BadRequest
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.protocol.responses_output import (
     ResponseShape,
     assistant_turn,
     new_response_id,
@@ -41,12 +45,8 @@ from gateway.responses_output import (
     status_of,
     usage_of,
 )
-from gateway.responses_protocol import ResponsesRequest, chat_body, input_messages, responses_param
-from gateway.responses_retrieval import listed_items
-from gateway.responses_retrieval import router as retrieval_router
-from gateway.responses_stream import ResponseEvents
-from gateway.runtime import Runtime, loaded_runtime
-from gateway.serving import Prepared
+from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.service import Prepared
 
 router = APIRouter()
 

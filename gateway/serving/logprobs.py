@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gateway.sampling import TokenLogprob
+from gateway.engine.sampling import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log probability too small to write (-inf)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback

@@ -1,7 +1,7 @@
 """The uvicorn server toolkv runs under, with the one defence uvicorn lacks: a header read timeout.
 
 uvicorn closes idle keep-alive connections, and the body is bounded in time by the app
-(`gateway.limits.BodySizeLimit`), but a client that connects and then sends its request line and
+(`gateway.edge.limits.BodySizeLimit`), but a client that connects and then sends its request line and
 headers a byte at a time holds a connection (and its buffers) for as long as it likes
 ("slowloris"). `HeaderTimeoutProtocol` closes a connection whose headers are not complete within
 `header_read_timeout_s` of the connection opening, or of the first byte of the next request on a

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from gateway.responses_protocol import ResponsesRequest
+from gateway.protocol.responses import ResponsesRequest
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 

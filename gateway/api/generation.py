@@ -18,19 +18,19 @@ from prometheus_client import Gauge
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
-from gateway.auth import KeyRing, Tenant
+from gateway.edge.auth import KeyRing, Tenant
+from gateway.edge.handlers import CLIENT_CLOSED_REQUEST as CLIENT_CLOSED_REQUEST
+from gateway.edge.handlers import GENERATION_PATHS as GENERATION_PATHS
+from gateway.edge.handlers import GONE as GONE
+from gateway.edge.handlers import parse_object as parse_object
+from gateway.edge.handlers import unless_disconnected as unless_disconnected
+from gateway.edge.handlers import validation_error as validation_error
+from gateway.edge.limits import check_request_limits
 from gateway.errors import APIError, ModelNotFound, error_envelope
-from gateway.http_edge import CLIENT_CLOSED_REQUEST as CLIENT_CLOSED_REQUEST
-from gateway.http_edge import GENERATION_PATHS as GENERATION_PATHS
-from gateway.http_edge import GONE as GONE
-from gateway.http_edge import parse_object as parse_object
-from gateway.http_edge import unless_disconnected as unless_disconnected
-from gateway.http_edge import validation_error as validation_error
-from gateway.limits import check_request_limits
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest, in_request_terms
-from gateway.runtime import Runtime, loaded_runtime
-from gateway.serving import Prepared
+from gateway.protocol.chat import ChatCompletionRequest, in_request_terms
+from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.service import Prepared
 
 log = logging.getLogger(__name__)
 

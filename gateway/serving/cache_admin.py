@@ -12,14 +12,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.base import ChatMessage, ToolGroup, ToolSpec
+from gateway.edge.nesting import TooDeep, check_nesting
 from gateway.engine import Engine
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import EntryInfo
-from gateway.nesting import TooDeep, check_nesting
-from gateway.protocol import ToolIn
-from gateway.serving import ChatService, check_unique_names
+from gateway.protocol.chat import ToolIn
+from gateway.serving.service import ChatService, check_unique_names
 from gateway.settings import Settings
 
 # Stands in for the conversation: the cut at the end of the tool group happens just as it does

@@ -16,12 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from gateway import cache_routes, completions_api, dashboard, protocol, responses_api
-from gateway.admission import Preparer, TenantQuota
-from gateway.auth import KeyRing
-from gateway.browser_guard import install_browser_guard
-from gateway.completions_api import CompletionRequest
-from gateway.generation_http import (
+from gateway.api import cache_routes, dashboard
+from gateway.api import completions as completions_api
+from gateway.api.completions import CompletionRequest
+from gateway.api.generation import (
     CLIENT_CLOSED_REQUEST,
     GONE,
     Arrival,
@@ -34,15 +32,20 @@ from gateway.generation_http import (
     unless_disconnected,
     whole_json,
 )
-from gateway.http_edge import install_error_handlers
-from gateway.limits import BodySizeLimit
+from gateway.api.responses import routes as responses_api
+from gateway.edge.admission import Preparer, TenantQuota
+from gateway.edge.auth import KeyRing
+from gateway.edge.browser_guard import install_browser_guard
+from gateway.edge.handlers import install_error_handlers
+from gateway.edge.limits import BodySizeLimit
+from gateway.edge.shutdown_answer import CutOffAnswer
 from gateway.metrics import Metrics
-from gateway.protocol import ChatCompletionRequest
-from gateway.responses_protocol import ResponsesRequest
-from gateway.runtime import Runtime, build_runtime, loaded_runtime
-from gateway.serving import Prepared
+from gateway.protocol import chat as protocol
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.responses import ResponsesRequest
+from gateway.serving.runtime import Runtime, build_runtime, loaded_runtime
+from gateway.serving.service import Prepared
 from gateway.settings import Settings
-from gateway.shutdown_answer import CutOffAnswer
 
 log = logging.getLogger(__name__)
 

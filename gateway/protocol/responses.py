@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
-from gateway.protocol import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, UnsupportedField
+from gateway.protocol.chat import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, UnsupportedField
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
 

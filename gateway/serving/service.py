@@ -18,16 +18,16 @@ from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
 from adapters.toolcalls.incremental import SyntaxStreamer
-from gateway import protocol
-from gateway.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
+from gateway.engine.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
+from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
-from gateway.finite_schemas import has_finite_instance
-from gateway.logprobs import StreamLogprobs, TokenTexts
 from gateway.metrics import Metrics
-from gateway.prompt_tokens import PromptTokenizer
-from gateway.protocol import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
-from gateway.sampling import SamplingParams, TokenLogprob
+from gateway.protocol import chat as protocol
+from gateway.protocol.chat import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
+from gateway.serving.finite_schemas import has_finite_instance
+from gateway.serving.logprobs import StreamLogprobs, TokenTexts
+from gateway.serving.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class ChatService:
 
     def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
                     forced_ids: list[int], max_tokens: int) -> Constraint | None:
-        """The grammar this request's output must follow (gateway/constraints.py), having
+        """The grammar this request's output must follow (gateway/engine/constraints.py), having
         consumed the forced opening; None when the output is free text."""
         answer = req.response_format.answer_schema if req.response_format is not None else None
         mode: Mode = "auto"
@@ -235,7 +235,7 @@ class ChatService:
         return param
 
     def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
-        """A rendered prompt's tokens (as one text; see gateway.prompt_tokens) and how many are the
+        """A rendered prompt's tokens (as one text; see gateway.serving.prompt_tokens) and how many are the
         tool group, in the shared namespace (what warming fills)."""
         return self.prompt_tokens.encode(text, prefix_chars)
 
@@ -493,7 +493,7 @@ def check_unique_names(tools: list[Any]) -> None:
 
 
 def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.ResponseFormat | None) -> None:
-    """400 naming the first schema no finite value is valid for (gateway/finite_schemas.py): its
+    """400 naming the first schema no finite value is valid for (gateway/serving/finite_schemas.py): its
     grammar would compile, then fail in the middle of the answer."""
     named = [(f"tools[{index}].function.parameters", tool.parameters) for index, tool in enumerate(tools)]
     answer = response_format.answer_schema if response_format is not None else None

@@ -1,0 +1,2 @@
+"""OpenAI's Responses API: routes, the per-tenant store of kept responses, retrieval and stream events.
+"""

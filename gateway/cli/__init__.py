@@ -1,0 +1,6 @@
+"""The `toolkv` command line: `serve`, `bench`, `cache`, `parity`; how failures are reported.
+"""
+
+from gateway.cli.main import main
+
+__all__ = ["main"]
