@@ -108,6 +108,22 @@ class Settings(BaseModel):
     # affinity: a group goes to its home upstream (README, "Routing"); round_robin: the next one in
     # turn, whatever the group (a plain load balancer, kept as the bench's baseline)
     upstream_routing: Literal["affinity", "round_robin"] = "affinity"
+    trusted_proxy_keys: tuple[str, ...] = Field((), description=(
+        "API keys held by toolkv proxies in front of this server (each one the proxy's "
+        "`upstream_api_key`). A request authenticated by one of them may name its tenant in the "
+        "`X-Toolkv-Tenant` header (a toolkv proxy with `upstream_cache_salt = \"tenant\"` sends it), "
+        "and gets that tenant's own namespace, scoped under the proxy's key (groups, conversation "
+        "records, stored responses, the per-key quota); without the header it is one tenant of its "
+        "own. Any other caller that sends the header is refused (403), and a body's `cache_salt` "
+        "is ignored from everyone: no client picks a namespace. Keys, not client addresses: "
+        "they hold across NAT, load balancers and address reuse. Never logged."))
+    upstream_max_body_bytes: int = Field(64 * 1024**2, ge=1024, description=(
+        "Proxy mode: the most bytes read of an upstream's whole (non-stream) answer, and of one "
+        "server-sent event of a stream; an upstream past it answers the client 502."))
+    upstream_event_timeout_s: float = Field(600.0, gt=0, description=(
+        "Proxy mode: the longest wait for a stream's next data event; keep-alive comments do not "
+        "count. Before the first event the next upstream is tried; after it the stream ends with "
+        "an error event."))
 
     # Ray Serve mode (README, "Scaling out on Ray Serve"): engine replicas behind one ingress
     replicas: int = Field(1, ge=1)  # > 1: run on Ray Serve (the `ray` extra)
