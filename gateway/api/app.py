@@ -43,8 +43,8 @@ from gateway.metrics import Metrics
 from gateway.protocol import chat as protocol
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest
+from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, build_runtime, loaded_runtime
-from gateway.serving.service import Prepared
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,10 @@ def _install_routes(app: FastAPI) -> None:
         if state.load_error:
             body["error"] = state.load_error
         return JSONResponse(body, status_code=200 if status != "failed" else 503)
+
+    @app.get("/version")  # as vLLM's; tenant_salt: a trusted proxy's X-Toolkv-Tenant is honoured
+    async def version(request: Request) -> JSONResponse:  # (gateway/edge/auth.py), which proxies check
+        return JSONResponse({"version": request.app.version, "tenant_salt": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
