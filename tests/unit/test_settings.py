@@ -1,6 +1,9 @@
-"""Settings: TOML file, TOOLKV_* overrides, and loud failures that name the key."""
+"""Settings: TOML file, TOOLKV_* overrides, loud failures that name the key, and a warning for an
+unknown TOOLKV_* variable."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -27,9 +30,20 @@ def test_bad_value_is_named():
         load_settings(environ={"TOOLKV_DTYPE": "float7"})
 
 
-def test_unknown_env_var_is_named():
-    with pytest.raises(SettingsError, match="TOOLKV_CACHE_SIZE"):
-        load_settings(environ={"TOOLKV_CACHE_SIZE": "1"})
+def test_unknown_env_var_is_a_warning_naming_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="gateway.settings"):
+        settings = load_settings(environ={"TOOLKV_CACHE_SIZE": "1", "TOOLKV_PORT": "9001"})
+    assert settings.port == 9001
+    [record] = [r for r in caplog.records if "TOOLKV_CACHE_SIZE" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "TOOLKV_CACHE_DIR" in record.getMessage()
+
+
+def test_unknown_key_in_file_names_the_file_and_the_closest_key(tmp_path):
+    config = tmp_path / "t.toml"
+    config.write_text("prot = 9000\n")
+    expected = r"unknown setting 'prot' \(did you mean 'port'\?\) in config file .*t\.toml"
+    with pytest.raises(SettingsError, match=expected):
+        load_settings(config, environ={})
 
 
 def test_serve_refuses_to_start_with_bad_settings(tmp_path, capsys, monkeypatch):
