@@ -10,7 +10,6 @@ they hold a value that asks for nothing.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +31,6 @@ from gateway.api.generation import (
     unless_disconnected,
     whole_json,
 )
-from gateway.engine import EngineEvent, Job
 from gateway.engine.sampling import SamplingParams
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.protocol.chat import (
@@ -43,9 +41,10 @@ from gateway.protocol.chat import (
     UnsupportedField,
     check_logit_bias,
 )
+from gateway.serving.jobs import Prepared
 from gateway.serving.logprobs import LegacyLogprobs
 from gateway.serving.runtime import Runtime, loaded_runtime
-from gateway.serving.service import ChatService, Prepared
+from gateway.serving.service import ChatService
 
 router = APIRouter()
 
@@ -146,12 +145,10 @@ def _plan(arrival: Arrival) -> tuple[CompletionRequest, Prepared]:
     check_model(arrival.runtime, req.model)
     service = arrival.runtime.service
     ids = _prompt_ids(service, req.prompt)
-    use_cache = service.cache_enabled and not arrival.bypass
-    job = Job(prompt_ids=ids, prefix_len=0, params=_sampling(service, req, len(ids)), emit=_no_sink,
-              use_cache=use_cache, tenant=arrival.tenant.salt)
-    return req, Prepared(job=job, model_name=service.model_name, tools_active=False, forced_opening="",
-                         single_call=False, use_cache=use_cache, group_id="", started=arrival.received,
-                         prepare_s=time.perf_counter() - arrival.received, request_id=arrival.request_id)
+    prepared = service.prepare_ids(ids, _sampling(service, req, len(ids)), bypass=arrival.bypass,
+                                   received=arrival.received, tenant=arrival.tenant.salt,
+                                   request_id=arrival.request_id)
+    return req, prepared
 
 
 def _prompt_ids(service: ChatService, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
@@ -244,7 +241,3 @@ def _text_completion(chat: dict[str, Any], choices: list[dict[str, Any]]) -> dic
 
 def _choice(text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _no_sink(event: EngineEvent) -> None:
-    raise RuntimeError("job submitted without an event sink")

@@ -29,8 +29,8 @@ from gateway.edge.limits import check_request_limits
 from gateway.errors import APIError, ModelNotFound, error_envelope
 from gateway.metrics import Metrics
 from gateway.protocol.chat import ChatCompletionRequest, in_request_terms
+from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
-from gateway.serving.service import Prepared
 
 log = logging.getLogger(__name__)
 

@@ -73,9 +73,9 @@ class FloorProbe:
         return job, _ms_since(started)
 
     def compile(self, job: Any) -> Any:
-        if job.prefix_len < self.engine.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
+        if job.prefix_len < self.engine.cache.min_prefix_tokens or job.prefix_len >= len(job.prompt_ids):
             raise FloorError(f"no cacheable prefix ({job.prefix_len} tokens)")
-        key = self.engine.key_for(job.prompt_ids[: job.prefix_len])
+        key = self.engine.cache.key_for(job.prompt_ids[: job.prefix_len])
         return self.engine.warm(key, job.group_id, job.tool_names).result()[0]
 
     def time_hit(self, entry: Any, job: Any) -> tuple[float, float]:
@@ -132,8 +132,10 @@ async def _http_hit(client: BenchClient, workload: Workload, group: ToolGroup) -
 
 def _time_hit(engine: Any, entry: Any, job: Any) -> tuple[float, float]:
     """A hit restores nothing (it reads the group's blocks in place): restore is 0."""
+    from gateway.engine.warmup import prefill_over  # lazy: the engine (torch) loads only when the floor runs
+
     started = time.perf_counter()
-    engine.prefill_over(entry, job.prompt_ids[job.prefix_len :])  # the hit path's own suffix prefill
+    prefill_over(engine, entry, job.prompt_ids[job.prefix_len :])  # the hit path's own suffix prefill
     return 0.0, _ms_since(started)
 
 

@@ -36,11 +36,9 @@ from typing import Any, Literal
 
 import torch
 
-from gateway.engine.block_pool import BlockPool, BlockRun
-from gateway.engine.chunks import chunk_ends, next_end
-from gateway.engine.cuda_graphs import StepGraphs
+from gateway.engine.block_pool import BlockPool
+from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
 from gateway.engine.events import (
-    CacheResult,
     Failed,
     Finished,
     Job,
@@ -50,15 +48,15 @@ from gateway.engine.events import (
     TextDelta,
     TooLarge,
 )
-from gateway.engine.model_info import eos_ids, pool_shape, special_ids
-from gateway.engine.model_runner import Backend, ModelRunner, RowKV
-from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
+from gateway.engine.model_info import ModelInfo
+from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
+from gateway.engine.warmup import warm_up
 from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -67,45 +65,34 @@ FIRST_TOKEN_HANDOFF_S = 0.05
 _IDLE_WAIT_S = 0.05  # a held job with nothing running re-checks the pool this often
 
 
-class _Hold(Exception):
-    """The job cannot be admitted yet (blocks, or its group is being compiled by another)."""
-
-
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any, store: PrefixStore, identity: CacheIdentity,
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, store: PrefixStore,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
-                 max_batch: int = 8, turn_opening: tuple[int, ...] = (), backend: Backend = "torch",
-                 batch_invariant: bool = True, cuda_graphs: bool = False) -> None:
+                 max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,
+                 backend: Backend = "torch", batch_invariant: bool = True, cuda_graphs: bool = False) -> None:
+        assert info.identity is not None and info.pool_shape is not None, "the engine needs a loaded model's info"
         self.model = model
         self.tokenizer = tokenizer
+        self.info = info
         self.store = store
-        self.identity = identity
-        self.min_prefix_tokens = min_prefix_tokens
         self.device = device
         self.max_batch = max_batch
-        self.eos_ids = eos_ids(model, tokenizer)
-        self.special_ids = special_ids(tokenizer)
-        self.pool = BlockPool(pool_shape(model), pool_bytes, block_tokens, device)
+        self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
         self.scheduler = Scheduler(chunk_tokens)
-        self.turn_opening = turn_opening  # where prompt chunks are cut (chunks.py)
-        self.conversation_reuse = True  # keep finished prompts' KV for the next turn, and use it
-        self.conversations = Conversations(block_tokens)
-        self.groups = GroupIndex(block_tokens, chunk_tokens, store.ram.holds)
+        self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=chunk_tokens,
+                                    min_prefix_tokens=min_prefix_tokens, turn_opening=turn_opening,
+                                    conversation_reuse=conversation_reuse, pool_only=self.runner.reads_pool_only)
         self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []
         self._running: list[Sequence] = []
-        self._compiling: dict[str, Sequence] = {}  # group digest -> the sequence computing it
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self._steps = StepLog()
         self.num_steps = 0
         self.num_cancelled = 0  # sequences stopped because their client went away
         self.num_preempted = 0
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
-        self.conversation_hit_tokens = 0
         self.constrained_tokens = 0
         self.constraint_s = 0.0
         self.decode_steps = 0
@@ -115,34 +102,8 @@ class Engine:
 
     def start(self) -> None:
         """Warm up, then serve: the runtime (and so `/health`) is ready only after this."""
-        self.warm_up()
+        warm_up(self.runner, self.scheduler.chunk_tokens, self.max_batch, self.cuda_graphs)
         self._thread.start()
-
-    def warm_up(self) -> None:
-        """What a first request would otherwise pay once: one pass of each shape the engine runs
-        (a whole prompt chunk, one decode row; kernels compile, allocators settle), and on CUDA the
-        decode graphs. Before the engine thread starts, so it owns the model alone here."""
-        started = time.perf_counter()
-        chunk = max(1, min(self.scheduler.chunk_tokens, self.pool.num_blocks * self.pool.block_tokens - 1))
-        run = self.pool.allocate(chunk + 1)
-        if run is not None:
-            try:
-                self.runner.forward([[0] * chunk], [RowKV(None, run, 0, 0)])
-                self.runner.forward([[0]], [RowKV(None, run, chunk, chunk)])
-            finally:
-                run.release()
-        if self.cuda_graphs:
-            graphs = StepGraphs(self.runner, self.max_batch)
-            try:
-                graphs.capture()
-                self.runner.graphs = graphs
-            except Exception:  # a model whose forward cannot be captured still serves, eagerly
-                log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        log.info("engine warm-up: %.1fs (%s attention, batch invariant %s, CUDA graphs %s)",
-                 time.perf_counter() - started, self.runner.backend, self.runner.batch_invariant,
-                 self.runner.graphs is not None)
 
     def stop(self) -> None:
         self._intake.put(None)
@@ -152,7 +113,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a generation; its events arrive through `job.emit`. Raises QueueFull when too
         many wait, TooLarge when the pool could never hold it."""
-        if self._blocks_needed(job) > self.pool.num_blocks:
+        if self.cache.blocks_needed(job) > self.pool.num_blocks:
             raise TooLarge(f"the request needs {len(job.prompt_ids) + job.params.max_tokens} tokens of KV; "
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         job.submitted = time.perf_counter()
@@ -177,7 +138,11 @@ class Engine:
     def warm(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> Future[tuple[CacheEntry, bool]]:
         """Make sure the group `key` (in the shared namespace) is cached: found in RAM or on disk,
         or computed like a request's group, in chunks between other requests' steps. The future
-        gives the entry and whether it was cached already. Raises QueueFull."""
+        gives the entry and whether it was cached already. Raises QueueFull, and TooLarge when the
+        pool could never hold it."""
+        if self.pool.blocks_for(len(key.token_ids)) + 1 > self.pool.num_blocks:
+            raise TooLarge(f"the group is {len(key.token_ids)} tokens of KV; "
+                           f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         future: Future[tuple[CacheEntry, bool]] = Future()
         job = Job(list(key.token_ids), len(key.token_ids), SamplingParams(max_tokens=1), emit=lambda _: None,
                   group_id=group_id, tool_names=tool_names, warm=future)
@@ -191,21 +156,21 @@ class Engine:
     def forget_conversations(self) -> Future[int]:
         """Drop every conversation record (on the engine thread, between steps); the future gives
         how many there were. Raises QueueFull."""
-        return self.call(self.conversations.clear)
+        return self.call(self.cache.conversations.clear)
 
     def stats(self) -> EngineStats:
-        cached = sum(self.pool.blocks_for(e.num_tokens) for e in self.store.ram.entries() if e.blocks is not None)
-        cached += self.conversations.num_blocks
+        cache = self.cache
+        conversations = cache.conversations
         return EngineStats(running=len(self._running), waiting=self._intake.qsize() + len(self._held),
                            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-                           kv_blocks_cached=cached, kv_block_tokens=self.pool.block_tokens,
+                           kv_blocks_cached=cache.cached_blocks(), kv_block_tokens=self.pool.block_tokens,
                            preemptions_total=self.num_preempted,
-                           prefix_queries_tokens_total=self.prefix_query_tokens,
-                           prefix_hits_tokens_total=self.prefix_hit_tokens, steps_total=self.num_steps,
-                           cancelled_total=self.num_cancelled, conversation_records=len(self.conversations),
-                           conversation_blocks=self.conversations.num_blocks,
-                           conversation_hits_tokens_total=self.conversation_hit_tokens,
-                           conversation_evictions_total=self.conversations.evictions,
+                           prefix_queries_tokens_total=cache.query_tokens,
+                           prefix_hits_tokens_total=cache.hit_tokens, steps_total=self.num_steps,
+                           cancelled_total=self.num_cancelled, conversation_records=len(conversations),
+                           conversation_blocks=conversations.num_blocks,
+                           conversation_hits_tokens_total=cache.conversation_hit_tokens,
+                           conversation_evictions_total=conversations.evictions,
                            constrained_tokens_total=self.constrained_tokens,
                            constraint_seconds_total=self.constraint_s,
                            decode_steps_total=self.decode_steps, decode_seconds_total=self.decode_s)
@@ -220,31 +185,6 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self._running)
-
-    def key_for(self, prefix_ids: list[int], salt: str = "") -> PrefixKey:
-        identity = self.identity if not salt else CacheIdentity(
-            self.identity.model_fingerprint, self.identity.tokenizer_fingerprint,
-            self.identity.adapter_version, salt)
-        return PrefixKey.of(identity, prefix_ids)
-
-    def prefill_over(self, entry: CacheEntry, suffix_ids: list[int]) -> None:
-        """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks,
-        into a scratch run that is freed after. Engine thread only (the bench's floor probe)."""
-        run = self._allocate(len(suffix_ids))
-        if run is None:
-            raise TooLarge("the KV pool has no room for the suffix now")
-        try:
-            group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
-            group_start = entry.blocks.token_start if entry.blocks is not None else -1
-            prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
-            ends = chunk_ends(prompt, start, self.scheduler.chunk_tokens, self.turn_opening)
-            done = start
-            while done < len(prompt):
-                end = next_end(ends, done)
-                self.runner.forward([prompt[done:end]], [RowKV(group, run, done - start, done, group_start)])
-                done = end
-        finally:
-            run.release()
 
     # ---- the step loop -----------------------------------------------------------------------
 
@@ -298,12 +238,12 @@ class Engine:
                 self._held.remove(job)
                 continue
             try:
-                seq = self._sequence_for(job)
-            except _Hold:
-                continue
+                seq = self._admit_one(job)
             except Exception as exc:
                 self._held.remove(job)
                 self._fail_job(job, exc)
+                continue
+            if seq is HOLD:
                 continue
             self._held.remove(job)
             if seq is not None:
@@ -341,164 +281,30 @@ class Engine:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def _blocks_needed(self, job: Job) -> int:
-        return self.pool.blocks_for(job.prefix_len) + self.pool.blocks_for(
-            len(job.prompt_ids) - job.prefix_len + job.params.max_tokens)
+    def _admit_one(self, job: Job, recompute: bool = False) -> Sequence | Hold | None:
+        """A running sequence for `job` with all its blocks, HOLD (not now), or None (nothing to run)."""
+        placement = self.cache.admit(job, recompute)
+        if placement is HOLD or placement is None:
+            return placement
+        return self._sequence(job, placement)
 
-    def _sequence_for(self, job: Job, recompute: bool = False) -> Sequence | None:
-        """A running sequence for `job` with all its blocks (None: nothing to run), or _Hold."""
-        if job.warm is not None:
-            return self._warm_sequence(job)
-        admitted = time.perf_counter()
-        prompt = job.prompt_ids
-        cacheable = self.min_prefix_tokens <= job.prefix_len < len(prompt)
-        group_len = job.prefix_len if cacheable else 0
-        key: PrefixKey | None = None
-        entry: CacheEntry | None = None
-        tier: str | None = None
-        result: CacheResult = "bypass" if not job.use_cache else "skip"
-        if cacheable and job.use_cache and not recompute:
-            key = self.key_for(prompt[:group_len], job.salt)
-            if key.digest in self._compiling:
-                raise _Hold
-            entry, tier = self._lookup(key, job.salt)
-            result = "hit" if entry is not None else "miss"
-        elif recompute:
-            result = "miss"
-        ends = chunk_ends(prompt, group_len, self.scheduler.chunk_tokens, self.turn_opening)
-        chain: list[bytes] = []
-        record, rest_from = None, group_len
-        source: CacheEntry | None = None
-        group_from = 0
-        if job.use_cache and not recompute:
-            if self.conversation_reuse:  # the chain also keys this request's own record when it ends
-                chain = chain_hashes(self._conversation_root(job, group_len), prompt, self.pool.block_tokens)
-                record, rest_from = self.conversations.find_turn(prompt, group_len, ends, chain)
-            if group_len and entry is None:
-                source, group_from = self.groups.longest(self._group_root(job.salt), prompt[:group_len])
-        lookup_s = time.perf_counter() - admitted
-        # Hold the blocks to copy from while allocating: making room may evict their holders.
-        held = [r for r in (record.run if record else None, source.blocks if source else None) if r is not None]
-        for run in held:
-            run.retain()
-        try:
-            own_run, group_run = self._allocate_runs(len(prompt) - group_len + job.params.max_tokens,
-                                                     group_len if entry is None else 0)
-            if own_run is None:
-                if entry is not None:
-                    self._let_go(entry)
-                raise _Hold
-            if record is not None and rest_from > group_len:
-                own_run.copy_from(record.run, rest_from - group_len)
-            if group_run is not None and source is not None and source.blocks is not None and group_from:
-                group_run.copy_from(source.blocks, group_from)
-        finally:
-            for run in held:
-                run.release()
-        seq = Sequence(job, group_len, result, own_run, ends, Sampler(job.params, job.constraint),
-                       TextStream(self.tokenizer, job.params.stop, self.special_ids, job.keep_token_ids),
-                       key=key, entry=entry, group_run=group_run, tier=tier, admitted_at=admitted,
-                       lookup_s=lookup_s, chain=chain, source=record, rest_from=rest_from)
-        seq.reused = (group_len if entry is not None else group_from) + rest_from - group_len
-        if group_run is not None:
+    def _sequence(self, job: Job, placed: Placement) -> Sequence:
+        stop = job.params.stop if job.warm is None else ()
+        seq = Sequence(job, placed.group_len, placed.result, placed.own_run, placed.ends,
+                       Sampler(job.params, job.constraint),
+                       TextStream(self.tokenizer, stop, self.info.special_ids, job.keep_token_ids),
+                       key=placed.key, entry=placed.entry, group_run=placed.group_run, tier=placed.tier,
+                       lookup_s=placed.lookup_s, chain=placed.chain, source=placed.record,
+                       rest_from=placed.rest_from, admitted_at=placed.admitted_at)
+        seq.reused = placed.reused
+        if placed.group_run is not None:
             seq.phase = Phase.GROUP
-            seq.computed = group_from
-            seq.compile_started = admitted
-            if result == "miss" and key is not None:
-                self._compiling[key.digest] = seq
+            seq.computed = placed.group_from
+            seq.compile_started = seq.admitted_at
+            self.cache.start_compiling(seq)
         else:
-            seq.computed = rest_from
-        if job.use_cache:
-            self.prefix_query_tokens += len(prompt)
-            self.prefix_hit_tokens += seq.reused
-            self.conversation_hit_tokens += rest_from - group_len
+            seq.computed = placed.rest_from
         return seq
-
-    def _allocate_runs(self, own_tokens: int, group_tokens: int) -> tuple[BlockRun | None, BlockRun | None]:
-        """The sequence's own run and (when it computes its group) the group's run; (None, None)
-        when they do not both fit now."""
-        own_run = self._allocate(own_tokens)
-        if own_run is None or not group_tokens:
-            return own_run, None
-        group_run = self._allocate(group_tokens)
-        if group_run is None:
-            own_run.release()
-            return None, None
-        return own_run, group_run
-
-    def _conversation_root(self, job: Job, group_len: int) -> bytes:
-        """The root of a prompt's block chain: identity, the tenant's namespace, the group's length
-        (it decides where the chunks are cut)."""
-        return self.identity.digest_bytes() + f"\x00conversation\x00{job.tenant}\x00{group_len}".encode()
-
-    def _group_root(self, salt: str) -> bytes:
-        return self.key_for([], salt).digest.encode()
-
-    def _warm_sequence(self, job: Job) -> Sequence | None:
-        """A sequence that only computes and stores its group; None when the group is cached."""
-        assert job.warm is not None
-        key = self.key_for(job.prompt_ids)
-        if key.digest in self._compiling:
-            raise _Hold
-        found = self.store.lookup(key)
-        if found is not None:
-            job.warm.set_result((found.entry, True))
-            return None
-        group_run = self._allocate(len(key.token_ids))
-        own_run = self._allocate(1) if group_run is not None else None
-        if group_run is None or own_run is None:
-            if group_run is not None:
-                group_run.release()
-            raise _Hold
-        ends = chunk_ends(key.token_ids, len(key.token_ids), self.scheduler.chunk_tokens, self.turn_opening)
-        seq = Sequence(job, len(key.token_ids), "miss", own_run, ends, Sampler(job.params, job.constraint),
-                       TextStream(self.tokenizer, (), self.special_ids), key=key, group_run=group_run,
-                       phase=Phase.GROUP, compile_started=time.perf_counter())
-        self._compiling[key.digest] = seq
-        return seq
-
-    def _lookup(self, key: PrefixKey, salt: str) -> tuple[CacheEntry | None, str | None]:
-        """The stored group, with a reference and a lock held for the sequence; None on a miss."""
-        found = self.store.lookup(key)
-        if found is None:
-            return None, None
-        entry = found.entry
-        entry.touch()
-        if entry.blocks is None:  # read from disk: copy it into the pool (when there is room)
-            entry = self._place(entry, salt)
-            if entry.blocks is None and self.runner.reads_pool_only:
-                raise _Hold  # the kernels read only the pool: wait until there is room for it
-        else:
-            entry.retain()
-        self.store.lock(entry)
-        return entry, found.tier
-
-    def _place(self, loaded: CacheEntry, salt: str) -> CacheEntry:
-        run = self._allocate(loaded.num_tokens)
-        if run is None:
-            return loaded  # used from its own tensors this once
-        for index, layer in enumerate(loaded.layers):
-            run.keys(index, 0, loaded.num_tokens).copy_(layer.keys[0])
-            run.values(index, 0, loaded.num_tokens).copy_(layer.values[0])
-        entry = CacheEntry(key=loaded.key, layers=run.entry_layers(loaded.num_tokens), group_id=loaded.group_id,
-                           tool_names=loaded.tool_names, compile_s=loaded.compile_s,
-                           created_at=loaded.created_at, last_used_at=loaded.last_used_at, hits=loaded.hits,
-                           blocks=run)
-        self.store.keep_in_ram(entry)  # replaces the loaded copy; the run's reference is the sequence's
-        self.groups.add(entry, self._group_root(salt))
-        return entry
-
-    def _let_go(self, entry: CacheEntry) -> None:
-        self.store.unlock(entry)
-        entry.release()
-
-    def _allocate(self, tokens: int) -> BlockRun | None:
-        """A run for `tokens`, making room by dropping conversation records, then cached groups
-        nobody uses (least recently used first)."""
-        while (run := self.pool.allocate(tokens)) is None:
-            if not self.conversations.evict_oldest() and not self.store.evict_oldest():
-                return None
-        return run
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -548,26 +354,17 @@ class Engine:
         seq.compile_s = time.perf_counter() - seq.compile_started
         if seq.result != "miss" or seq.key is None:
             return  # a bypass keeps its group to itself
-        assert seq.group_run is not None
-        self._compiling.pop(seq.key.digest, None)
-        seq.entry = self._store_group(seq.key, seq.group_run, seq.job, seq.compile_s)
+        seq.entry = self.cache.store_group(seq)
+        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", seq.job.group_id or "-",
+                 seq.group_len, seq.compile_s, seq.entry.num_bytes / 1e6)
         if seq.job.warm is not None:
             self._retire(seq)
             seq.job.warm.set_result((seq.entry, False))
 
-    def _store_group(self, key: PrefixKey, run: BlockRun, job: Job, compile_s: float) -> CacheEntry:
-        entry = CacheEntry(key=key, layers=run.entry_layers(len(key.token_ids)), group_id=job.group_id,
-                           tool_names=job.tool_names, compile_s=compile_s, blocks=run)
-        self.store.insert(entry)
-        self.groups.add(entry, self._group_root(job.salt))
-        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", job.group_id or "-",
-                 len(key.token_ids), compile_s, entry.num_bytes / 1e6)
-        return entry
-
     def _prompt_done(self, seq: Sequence, logits: torch.Tensor) -> None:
         if not all_finite(logits):
             if seq.result == "hit" and seq.entry is not None:
-                self.store.quarantine(seq.entry, "nonfinite", "its KV gave non-finite logits")
+                self.cache.quarantine(seq.entry, "its KV gave non-finite logits")
                 self._recompute(seq)
                 return
             raise _NonFinite("the model gave non-finite logits on a plain prefill")
@@ -585,12 +382,11 @@ class Engine:
     def _recompute(self, seq: Sequence) -> None:
         """Start `seq` again, computing its group privately (its cached copy was bad)."""
         self._retire(seq)
-        try:
-            again = self._sequence_for(seq.job, recompute=True)
-            if again is not None:
-                self._running.append(again)
-        except _Hold:
+        again = self._admit_one(seq.job, recompute=True)
+        if again is HOLD:
             self._held.insert(0, seq.job)
+        elif again is not None:
+            self._running.append(again)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
@@ -604,7 +400,7 @@ class Engine:
         """`token` is the next token of `seq`: emit its text, and finish or queue it."""
         job = seq.job
         seq.generated += 1
-        if token in self.eos_ids:
+        if token in self.info.eos_ids:
             self._finish(seq, "stop", seq.generated - 1)
             return
         delta = seq.stream.push(token)
@@ -640,27 +436,11 @@ class Engine:
         """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
         (after the group) as a conversation record first."""
         if keep_turn:
-            self._keep_turn(seq)
+            self.cache.keep_turn(seq)
         if seq in self._running:
             self._running.remove(seq)
-        if seq.key is not None and self._compiling.get(seq.key.digest) is seq:
-            del self._compiling[seq.key.digest]
-        if seq.entry is not None and seq.result == "hit":
-            self.store.unlock(seq.entry)
+        self.cache.retire(seq)
         seq.release()
-
-    def _keep_turn(self, seq: Sequence) -> None:
-        """Index the prompt KV of a finished sequence for its conversation's next turn. Only the
-        prompt: the generated tokens' KV came from decode passes, and the next turn's prompt would
-        compute them in a prefill chunk, with other bits (engine/chunks.py)."""
-        job = seq.job
-        own_tokens = len(seq.prompt) - seq.group_len
-        if not self.conversation_reuse or not job.use_cache or job.warm is not None or \
-                seq.phase is not Phase.DECODE or own_tokens <= 0:
-            return
-        record = Record(tuple(seq.prompt), seq.group_len, frozenset(seq.ends), seq.own_run.head(own_tokens),
-                        seq.chain)
-        self.conversations.add(record, replaces=seq.source)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         self._retire(seq)  # before the event, as for a finish

@@ -1,13 +1,40 @@
-"""What the engine reads off the model and tokenizer: the KV pool's shape, the end-of-sequence
-ids, and the special ids the output text must not show."""
+"""What the engine and the chat service read off the model and tokenizer, built once when the model
+loads: the KV pool's shape, the end-of-sequence ids, the special ids the output text must not show,
+how many logits the model gives, and the cache identity."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gateway.engine.block_pool import PoolShape
+from gateway.kvcache.keys import CacheIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    eos_ids: frozenset[int]
+    special_ids: frozenset[int]
+    vocab_size: int  # logits per position (at least the tokenizer's vocabulary)
+    num_token_ids: int  # token ids the tokenizer knows and the model scores (logits may be padded past them)
+    identity: CacheIdentity | None = None  # None: a tokenizer without a model (rendering only)
+    pool_shape: PoolShape | None = None
+
+    @classmethod
+    def of(cls, model: Any | None, tokenizer: Any, identity: CacheIdentity | None = None) -> ModelInfo:
+        """`model` None: what the tokenizer alone tells (a service that only renders prompts)."""
+        scored = int(getattr(model.config, "vocab_size", 0) or 0) if model is not None else 0
+        return cls(eos_ids=eos_ids(model, tokenizer) if model is not None else frozenset(),
+                   special_ids=special_ids(tokenizer) if model is not None else frozenset(),
+                   vocab_size=max(scored, len(tokenizer)),
+                   num_token_ids=min(len(tokenizer), scored) if scored else len(tokenizer), identity=identity,
+                   pool_shape=pool_shape(model) if model is not None else None)
+
+    @property
+    def fingerprint_bytes(self) -> bytes:
+        return self.identity.digest_bytes() if self.identity is not None else b""
 
 
 def pool_shape(model: Any) -> PoolShape:

@@ -19,7 +19,8 @@ from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import EntryInfo
 from gateway.protocol.chat import ToolIn
-from gateway.serving.service import ChatService, check_unique_names
+from gateway.serving.checks import check_unique_names
+from gateway.serving.service import ChatService
 from gateway.settings import Settings
 
 # Stands in for the conversation: the cut at the end of the tool group happens just as it does
@@ -72,8 +73,8 @@ def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
     messages = ([ChatMessage(role="system", content=request.system)] if request.system is not None else [])
     rendered = service.renderer.render([*messages, _PLACEHOLDER_TURN], tools)
     ids, prefix_len = service.tokenize(rendered.text, rendered.prefix_chars)
-    _check_prefix_len(prefix_len, service.engine.min_prefix_tokens, service.context_len)
-    return WarmPlan(service.engine.key_for(ids[:prefix_len]), rendered.group)
+    _check_prefix_len(prefix_len, service.engine.cache.min_prefix_tokens, service.context_len)
+    return WarmPlan(service.engine.cache.key_for(ids[:prefix_len]), rendered.group)
 
 
 def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:

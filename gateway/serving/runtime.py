@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
+from adapters.render import PromptRenderer
 from gateway.engine import Engine, attention
 from gateway.engine.chunks import turn_opening
+from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.model_runner import Backend
 from gateway.errors import ModelLoadFailed, ModelLoading
@@ -77,18 +79,19 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
                              f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
     store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
-    engine = Engine(loaded.model, tokenizer, store, identity, min_prefix_tokens=settings.min_prefix_tokens,
+    info = ModelInfo.of(loaded.model, tokenizer, identity)
+    # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py).
+    opening = turn_opening(tokenizer, PromptRenderer(tokenizer, family).template)
+    engine = Engine(loaded.model, tokenizer, info, store, min_prefix_tokens=settings.min_prefix_tokens,
                     max_queue=settings.max_queue, device=loaded.device, pool_bytes=settings.ram_budget_bytes,
                     block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
-                    max_batch=plan.max_batch, backend=plan.backend, batch_invariant=plan.batch_invariant,
-                    cuda_graphs=settings.cuda_graphs)
-    service = ChatService(engine, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
+                    max_batch=plan.max_batch, turn_opening=opening,
+                    conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
+                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs)
+    service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
                           reserve_tokens=settings.constrained_reserve_tokens)
-    # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py): set before any request.
-    engine.turn_opening = turn_opening(tokenizer, service.renderer.template)
-    engine.conversation_reuse = settings.conversation_reuse == "on"
     engine.start()
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)

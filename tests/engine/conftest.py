@@ -71,4 +71,4 @@ def generate(runtime: Runtime, body: dict[str, Any], bypass: bool = False, tenan
 
 def not_kept(runtime: Runtime) -> int:
     """Pool blocks in use other than conversation records (kept for a next turn, dropped on demand)."""
-    return runtime.engine.pool.num_used - runtime.engine.conversations.num_blocks
+    return runtime.engine.pool.num_used - runtime.engine.cache.conversations.num_blocks

@@ -16,10 +16,12 @@ from adapters.families import ADAPTER_VERSION, detect_family, family_names, get_
 from adapters.hermes import CHATML_TEMPLATE
 from adapters.render import PromptRenderer
 from adapters.toolcalls import ParsedToolCall, get_parser
+from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
 from gateway.protocol.chat import ChatCompletionRequest
-from gateway.serving.service import ChatService, Prepared
+from gateway.serving.jobs import Prepared
+from gateway.serving.service import ChatService
 from tests.conftest import WORKLOADS
 from tests.tools.models import SETUPS
 
@@ -46,8 +48,8 @@ def service(family_model_dir):
             model_dir: Path = family_model_dir(name)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             family = detect_family(AutoConfig.from_pretrained(model_dir).model_type, tokenizer.chat_template)
-            made[name] = ChatService(None, tokenizer, family, "m", 16384, Metrics(),  # type: ignore[arg-type]
-                                     cache_enabled=True, default_max_tokens=8)
+            made[name] = ChatService(None, ModelInfo.of(None, tokenizer), tokenizer, family,  # type: ignore[arg-type]
+                                     "m", 16384, Metrics(), cache_enabled=True, default_max_tokens=8)
         return made[name]
 
     return make

@@ -45,8 +45,8 @@ from gateway.protocol.responses_output import (
     status_of,
     usage_of,
 )
+from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
-from gateway.serving.service import Prepared
 
 router = APIRouter()
 

@@ -1,0 +1,78 @@
+"""A prepared request: the engine job and what its answer needs, and what the answer gathers as
+the engine's events arrive (`Outcome`, and the `usage` it reports)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.engine import EngineEvent, Finished, Job, Prefilled
+from gateway.engine.sampling import TokenLogprob
+from gateway.protocol import chat as protocol
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for the engine, and what its response needs."""
+
+    job: Job
+    model_name: str
+    tools_active: bool  # parse tool calls from the output
+    forced_opening: str  # text appended after the generation prompt to force a call
+    single_call: bool
+    use_cache: bool
+    group_id: str
+    started: float = field(default_factory=time.perf_counter)  # request arrival: TTFT counts from here
+    prepare_s: float = 0.0  # arrival to job: parse, validate, render, tokenize
+    prefilled: Prefilled | None = None  # set when the engine reports the prefill
+    request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
+    legacy_functions: bool = False  # asked with `functions`: answer with `function_call`
+
+    def response_headers(self) -> dict[str, str]:
+        """`X-Toolkv-Cache` (hit/miss/bypass/skip) and a W3C `Server-Timing` of where the time went
+        before the first token, in ms: the engine's model forward is `prefill`; the rest is ours."""
+        pre = self.prefilled
+        if pre is None:
+            return {}
+        parts = [("prepare", self.prepare_s), ("queue", pre.queued_s), ("lookup", pre.lookup_s),
+                 ("compile", pre.compile_s), ("restore", pre.restore_s), ("prefill", pre.forward_s)]
+        timing = ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in parts)
+        return {"X-Toolkv-Cache": pre.result, "Server-Timing": timing}
+
+    @property
+    def cache_write_tokens(self) -> int:
+        """Prompt tokens this request wrote to the cache: the tool group a miss computed and stored
+        (all of it, as OpenAI counts writes, unadjusted). Conversation records are not counted: they
+        live in the pool only, dropped first when it needs room."""
+        pre = self.prefilled
+        return self.job.prefix_len if pre is not None and pre.result == "miss" else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """`tool_choice` as text after the generation prompt, as if the model had written it."""
+
+    opening: str = ""
+    complete: bool = False  # the whole call: a named function that takes no arguments
+
+
+@dataclass(slots=True)
+class Outcome:
+    prefilled: Prefilled | None = None
+    ttft_s: float | None = None
+    finish: Finished | None = None
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def usage_of(prepared: Prepared, outcome: Outcome) -> dict[str, Any]:
+    pre = outcome.prefilled
+    completion = outcome.finish.completion_tokens if outcome.finish else 0
+    return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
+                               prepared.cache_write_tokens)
+
+
+
+def unset_emit(event: EngineEvent) -> None:
+    raise RuntimeError("job submitted without an event sink")
