@@ -15,11 +15,13 @@ import torch
 if not torch.cuda.is_available():  # before Triton is imported: its kernels then run on CPU tensors, interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gateway.bench.data import WORKLOADS as BENCH_WORKLOADS
 from tests.support.models import build_tiny_model, save_tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-WORKLOADS = SHARED / "workloads"
-SPEC = SHARED / "openai-spec" / "openai_chat_schemas.lenient.json"
+WORKLOADS = BENCH_WORKLOADS  # the bench's workloads, shipped in the package (their README: provenance, licenses)
+DATA = Path(__file__).resolve().parent / "data"  # the tests' own data (data/README.md)
+SPEC = DATA / "openai-spec" / "openai_chat_schemas.lenient.json"
+STRICT_SPEC = DATA / "openai-spec" / "openai_chat_schemas.strict.json"
 
 
 @pytest.fixture(scope="session")

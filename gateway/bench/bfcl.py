@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
+from gateway.bench.data import WORKLOADS as WORKLOADS  # re-exported: `toolkv parity` reads it
+
 MERCHANT_SLICE = 20  # tools per merchant row: the slice that holds the row's tool
 
 MERCHANT_SYSTEM = ("You are the back-office assistant of an online merchant. Answer briefly; "

@@ -18,11 +18,11 @@ from typing import Any
 
 from adapters.base import ChatMessage, ToolCallIn, ToolGroup, ToolSpec
 from adapters.hermes import HermesFamily
+from gateway.bench.data import AIRLINE_TOOLS, AIRLINE_TRAJECTORIES
 from gateway.bench.workload import Workload, WorkloadError, load_tools
 
-_TAU_BENCH = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "tau_bench"
-DEFAULT_TRAJECTORIES_FILE = _TAU_BENCH / "airline_trajectory_turns.head150.jsonl"
-DEFAULT_TRAJECTORY_TOOLS_FILE = _TAU_BENCH / "tools_airline.json"
+DEFAULT_TRAJECTORIES_FILE = AIRLINE_TRAJECTORIES
+DEFAULT_TRAJECTORY_TOOLS_FILE = AIRLINE_TOOLS
 
 
 @dataclass(frozen=True, slots=True)

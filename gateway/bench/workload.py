@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TOOLS_FILE = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "merchant_100_tools.json"
+from adapters.base import ToolSpec
+from adapters.hermes import HermesFamily
+from gateway.bench.data import MERCHANT_TOOLS
+
+DEFAULT_TOOLS_FILE = MERCHANT_TOOLS
 
 _QUESTIONS = (
     "What was our total GMV last week, broken down by channel?",
@@ -122,9 +126,6 @@ class Workload:
 
 def tools_block(tools: tuple[dict[str, Any], ...]) -> str:
     """The tools as toolkv's ChatML adapter writes them into the system message."""
-    from adapters.base import ToolSpec
-    from adapters.hermes import HermesFamily
-
     specs = tuple(ToolSpec(t["function"]["name"], t["function"].get("description"),
                            t["function"].get("parameters")) for t in tools)
     return HermesFamily().tools_block(specs)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field
 
+from gateway.bench.data import RETAIL_TOOLS as RETAIL_TOOLS_FILE
 from tests.clients.spec_wire import Exchange
 
-WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
-RETAIL_TOOLS: list[dict[str, Any]] = json.loads((WORKLOADS / "retail_16_tools.json").read_text())
+RETAIL_TOOLS: list[dict[str, Any]] = json.loads(RETAIL_TOOLS_FILE.read_text())
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a customer support agent of an online retail store. Use the tools to help the user."
 ORDER_ID = "#W2378156"

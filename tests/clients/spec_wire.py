@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
 
-STRICT_SPEC = Path(__file__).resolve().parents[3] / "shared" / "openai-spec" / "openai_chat_schemas.strict.json"
+from tests.conftest import STRICT_SPEC
+
 CHAT_PATH = "/v1/chat/completions"
 WATCHED_PATHS = (CHAT_PATH, "/v1/responses", "/v1/completions")
 

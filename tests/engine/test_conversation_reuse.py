@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from adapters.base import canonical_rank
+from gateway.bench.data import TAU_BENCH
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime
 from tests.engine.conftest import generate, not_kept
 from tests.engine.test_batching import TINY_KV_BYTES_PER_TOKEN
 
 ARCHS = ["llama", "qwen2", "mistral"]
-TAU = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "tau_bench"
+TAU = TAU_BENCH
 
 
 def tau_turns(task_id: int = 0, trial: int = 0) -> list[list[dict[str, Any]]]:
@@ -63,7 +63,7 @@ def test_each_turn_computes_only_its_new_messages_and_equals_a_full_prefill(runt
             # everything up to the previous turn's generation prompt was reused, nothing more
             assert reused.prefilled.cached_tokens == previous - GENERATION_PROMPT
         previous = prompt
-    assert len(turns) >= 6 and runtime.engine.conversations.evictions == 0
+    assert len(turns) >= 6 and runtime.engine.cache.conversations.evictions == 0
 
 
 def test_a_turn_reuses_after_its_group_was_evicted_and_recompiled(runtime_for, airline_tools):
@@ -128,7 +128,7 @@ def test_tenants_never_share_conversation_blocks(runtime_for, airline_tools):
     group = runtime.store.ram.entries()[0].num_tokens
     assert len(runtime.store.ram.entries()) == 1  # the shared group
     assert mine.prefilled.cached_tokens == other.prefilled.cached_tokens > group
-    records = runtime.engine.conversations.records()
+    records = runtime.engine.cache.conversations.records()
     assert len(records) == 2
     a, b = records
     assert a.tokens == b.tokens  # the same text...
@@ -148,7 +148,7 @@ def test_conversation_records_live_in_the_pool_and_give_way_to_new_requests(runt
     """Far more history than the pool holds: the oldest records are dropped to make room, every
     request is served, and the blocks in use never exceed the pool."""
     runtime = runtime_for("llama", ram_budget_bytes=TINY_KV_BYTES_PER_TOKEN * 4000)
-    pool, conversations = runtime.engine.pool, runtime.engine.conversations
+    pool, conversations = runtime.engine.pool, runtime.engine.cache.conversations
     served = 0
     for messages in _conversations(30):
         body = request(messages, merchant_tools[:3], max_tokens=4)

@@ -16,12 +16,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from openai.types.responses import Response, ResponseItemList
 
-from tests.conftest import SHARED
+from tests.conftest import STRICT_SPEC
 from tests.http.conftest import RESPONSES_KEYS
 
 MODEL = "tiny-llama"
 KEYS = RESPONSES_KEYS
-STRICT_SPEC = SHARED / "openai-spec" / "openai_chat_schemas.strict.json"
 ITEMS = [
     {"role": "developer", "content": "Be brief."},
     {"role": "user", "content": [{"type": "input_text", "text": "Look up order 7"}]},

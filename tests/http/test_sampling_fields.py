@@ -19,10 +19,9 @@ from jsonschema import Draft202012Validator
 from openai.types import Completion
 from transformers import AutoTokenizer
 
-from tests.conftest import SHARED
+from tests.conftest import STRICT_SPEC
 
 MODEL = "tiny-llama"
-STRICT_SPEC = SHARED / "openai-spec" / "openai_chat_schemas.strict.json"
 HELLO = [{"role": "user", "content": "Say hello"}]
 THE = 260  # " the" in the SmolLM2 vocabulary
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
