@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.base import ChatMessage, ToolGroup, ToolSpec
 from gateway.edge.nesting import TooDeep, check_nesting
-from gateway.engine import Engine
+from gateway.engine import Engine, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
@@ -79,7 +79,8 @@ def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
 
 def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:
     """Look the group up (RAM, disk) and compute it if absent, on the engine's step loop (other
-    requests keep decoding meanwhile). Raises QueueFull."""
+    requests keep decoding meanwhile). Raises QueueFull, and BadRequest for a group larger
+    than the whole KV pool."""
     warmed: Future[Warmed] = Future()
 
     def done(future: Future[tuple[CacheEntry, bool]]) -> None:
@@ -91,7 +92,10 @@ def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:
         warmed.set_result(Warmed(plan.key.digest, entry.group_id, entry.tool_names, entry.num_tokens,
                                  entry.num_bytes, 0.0 if already else entry.compile_s, already_cached=already))
 
-    engine.warm(plan.key, plan.group.group_id, plan.group.tool_names).add_done_callback(done)
+    try:
+        engine.warm(plan.key, plan.group.group_id, plan.group.tool_names).add_done_callback(done)
+    except TooLarge as exc:  # it would wait forever, evicting everything else while it waits
+        raise BadRequest(f"{exc}; raise ram_budget_bytes to warm a group this large", param="tools") from None
     return warmed
 
 

@@ -161,3 +161,21 @@ def test_cache_management_needs_the_admin_key(tiny_model_dir: Callable[..., Path
             assert user.status_code == 403 and user.json()["error"]["code"] == "forbidden"
         admin = client.post("/cache/warm", json={"tools": TOOLS}, headers={"Authorization": "Bearer admin-key"})
         assert admin.status_code == 200 and admin.json()["already_cached"] is False
+
+
+def test_warming_a_group_larger_than_the_kv_pool_is_refused_at_once(tiny_model_dir: Callable[..., Path],
+                                                                     tmp_path: Path) -> None:
+    """A group that could never fit would wait forever, evicting every cached group and record on each
+    engine step; it is a 400 instead, and the server keeps serving."""
+    pool_tokens = 64  # the tiny model: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes per token
+    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "min_prefix_tokens": 8,
+                                        "cache_dir": str(tmp_path), "ram_budget_bytes": pool_tokens * 512},
+                             environ={})
+    with serve(settings) as server, httpx.Client(base_url=server.api_url, timeout=60) as client:
+        resp = client.post("/cache/warm", json={"system": SYSTEM * 4, "tools": TOOLS})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "tools" and "ram_budget_bytes" in error["message"]
+        chat = client.post("/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
