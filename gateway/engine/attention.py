@@ -1,7 +1,7 @@
 """Paged attention over the block pool, for a flat batch: Triton kernels that read every
 sequence's KV where it lives, with no copy and no Python loop per sequence.
 
-A sequence's keys are two segments of the pool's token axis (engine/block_pool.py): its tool group
+A sequence's keys are two segments of the pool's token axis (kvcache/block_pool.py): its tool group
 `[0, G)` at pool token `group_start`, then its own tokens `[G, G + own_len)` at `own_start` (the
 tokens of this step included: their KV is written before the kernels run). Key position `p` lives
 at `group_start + p` when `p < G`, else at `own_start + p - G`. The pool's layout per layer is

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from gateway.engine.block_pool import BlockPool, BlockRun
 from gateway.engine.chunks import chunk_ends
 from gateway.engine.events import CacheResult, Job
 from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
 from gateway.engine.sequence import Phase, Sequence
+from gateway.kvcache.block_pool import BlockPool, BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.store import PrefixStore

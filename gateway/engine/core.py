@@ -36,7 +36,6 @@ from typing import Any, Literal
 
 import torch
 
-from gateway.engine.block_pool import BlockPool
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
 from gateway.engine.events import (
     Failed,
@@ -55,6 +54,7 @@ from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.engine.warmup import warm_up
+from gateway.kvcache.block_pool import BlockPool
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import PrefixStore

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gateway.engine.block_pool import PoolShape
+from gateway.kvcache.block_pool import PoolShape
 from gateway.kvcache.keys import CacheIdentity
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
-from gateway.engine.block_pool import BlockPool, BlockRun
+from gateway.kvcache.block_pool import BlockPool, BlockRun
 
 ATTENTION_NAME = "toolkv_blocks"
 _STEP_KWARG = "toolkv_step"

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from gateway.engine.block_pool import BlockRun
 from gateway.engine.chunks import common_prefix, reuse_end
+from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
 
 H = TypeVar("H")

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gateway.engine.block_pool import BlockRun
 from gateway.engine.chunks import next_end
 from gateway.engine.events import CacheResult, Job
 from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
 from gateway.engine.sampling import HeldLogprobs, Sampler, TextStream
+from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 

@@ -11,7 +11,7 @@ import torch
 from gateway.kvcache.keys import PrefixKey
 
 if TYPE_CHECKING:
-    from gateway.engine.block_pool import BlockRun
+    from gateway.kvcache.block_pool import BlockRun
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from gateway.engine.block_pool import BlockPool, PoolShape
 from gateway.engine.chunks import chunk_ends, reuse_end, turn_opening
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
+from gateway.kvcache.block_pool import BlockPool, PoolShape
 
 M = 1  # the turn marker in these prompts
 
