@@ -21,7 +21,7 @@ import orjson
 from pydantic import ValidationError
 
 from adapters.render import RenderError
-from gateway.cli.errors import EXIT_FAILURE, CliError
+from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.errors import APIError
 from gateway.settings import Settings, SettingsError

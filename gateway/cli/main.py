@@ -12,7 +12,7 @@ from typing import Any
 from gateway import bench
 from gateway.cli import cache as cache_cli
 from gateway.cli import parity
-from gateway.cli.errors import CliError, run_reporting_errors
+from gateway.cli_errors import CliError, run_reporting_errors
 from gateway.settings import Settings, SettingsError, load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "toolkv.toml"

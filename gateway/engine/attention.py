@@ -97,6 +97,6 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout
 
 
 def _kernels() -> Any:
-    from gateway.engine import triton_kernels  # optional: Triton is not installed with the CPU wheel
+    from gateway.engine import triton_kernels  # lazy: Triton is optional (not installed with the CPU wheel)
 
     return triton_kernels

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from gateway.cli.errors import CliError
+from gateway.cli_errors import CliError
 
 INSTALL_HINT = 'pip install -e ".[ray]"'
 APP_NAME = "toolkv"  # the Serve application

@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 
-from gateway.cli.errors import EXIT_FAILURE, CliError
+from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
