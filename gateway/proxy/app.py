@@ -1,7 +1,9 @@
 """Proxy mode's app (`toolkv serve --upstream URL[,URL...]`): no model; generation requests go to
 OpenAI-compatible upstreams picked by tool-group affinity, behind the model app's edge (API keys
 and tenants, the per-key quota, body limits, the browser guard, the error envelope). Everything
-the app owns hangs on `app.state`."""
+the app owns hangs on `app.state`. In `upstream_cache_salt = "tenant"` mode with keys, every
+request names its tenant to the upstream, and only upstreams known to keep tenants apart get one
+(gateway/proxy/tenancy.py): the proxy refuses to start when an upstream cannot."""
 
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.edge.admission import Preparer, TenantQuota
-from gateway.edge.auth import KeyRing, Tenant
+from gateway.edge.auth import TENANT_HEADER, KeyRing, Tenant
 from gateway.edge.browser_guard import install_browser_guard
 from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
 from gateway.edge.limits import BodySizeLimit
-from gateway.errors import BadRequest, NotFound, UpstreamUnavailable
-from gateway.proxy import upstream_info
+from gateway.errors import BadGateway, BadRequest, NotFound, UpstreamUnavailable
+from gateway.proxy import tenancy, upstream_info
+from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_status
 from gateway.proxy.exchange import Exchange
-from gateway.proxy.forward import Answer, Forwarder, Opened, answer_usage, passed_headers
+from gateway.proxy.forward import Answer, Bounds, Forwarder, Opened, answer_usage
 from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
 from gateway.proxy.routing import affinity_key, cache_key_affinity, make_router
@@ -47,7 +50,14 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     network (Ray Serve mode reaches its engine replicas through deployment handles)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.forwarder = Forwarder(upstream_client(settings, transport), app.state.pool)
+        bounds = Bounds(settings.upstream_max_body_bytes, settings.upstream_event_timeout_s)
+        app.state.forwarder = Forwarder(upstream_client(settings, transport), app.state.pool, bounds)
+        try:
+            await tenancy.check_at_start(app.state)
+        except BaseException:
+            await app.state.forwarder.client.aclose()
+            app.state.preparer.close()
+            raise
         watch = (asyncio.create_task(upstream_info.watch(app.state, settings.upstream_probe_s))
                  if settings.upstream_probe_s > 0 else None)
         yield
@@ -69,6 +79,7 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     # an upstream keeps max_stored_responses per key: more than all of theirs is never needed
     state.response_homes = ResponseHomes(RESPONSE_HOMES, settings.max_stored_responses * len(settings.upstreams))
     state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
+    state.tenant_safety = tenancy.TenantSafety(settings.upstreams, tenancy.required(settings, state.keyring.open))
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
@@ -80,11 +91,12 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
 
 
 def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """One connection pool for every upstream; no environment proxies (the upstreams are named)."""
+    """One connection pool for every upstream; no environment proxies (the upstreams are named);
+    every request asks for `identity` (answers are read raw: gateway/proxy/bounded.py)."""
     timeout = httpx.Timeout(settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False,
-                             transport=transport)
+                             transport=transport, headers={"accept-encoding": "identity"})
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -95,6 +107,11 @@ def _install_routes(app: FastAPI) -> None:
         status = "ok" if reachable == len(upstreams) else ("degraded" if reachable else "failed")
         return JSONResponse({"status": status, "mode": "proxy", "upstreams": upstreams},
                             status_code=200 if reachable else 503)
+
+    @app.get("/version")  # as a toolkv's: a proxy in tenant mode passes the tenant a trusted proxy names on
+    async def version(request: Request) -> JSONResponse:
+        safety: tenancy.TenantSafety = request.app.state.tenant_safety
+        return JSONResponse({"version": request.app.version, "tenant_salt": safety.required})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -128,16 +145,21 @@ async def _stored(request: Request, response_id: str, rest: str) -> Response:
         raise NotFound(f"Response with id '{response_id[:100]}' not found.", param="response_id")
     client: httpx.AsyncClient = state.forwarder.client
     url = f"{upstream}/v1/responses/{response_id}{rest}"
+    settings: Settings = state.settings
     try:
-        resp = await client.request(request.method, url, params=request.query_params,
-                                    headers=upstream_headers(request),
-                                    timeout=state.settings.upstream_connect_timeout_s)  # a lookup, not a generation
+        resp, content = await fetch(client, request.method, url, params=httpx.QueryParams(str(request.query_params)),
+                                    headers=upstream_headers(request, tenant), limit=settings.upstream_max_body_bytes,
+                                    timeout_s=settings.upstream_connect_timeout_s)  # a lookup, not a generation
     except httpx.HTTPError:
         raise UpstreamUnavailable("the upstream that stored this response is not reachable",
                                   headers={"Retry-After": "1"}) from None
+    except Unreadable as exc:
+        raise BadGateway(f"the upstream that stored this response answered badly: {exc}") from None
+    if not passed_status(resp.status_code):
+        raise BadGateway(f"the upstream that stored this response answered {resp.status_code}")
     if request.method == "DELETE" and resp.status_code == 200:
         homes.forget(tenant.salt, response_id)
-    return Response(resp.content, status_code=resp.status_code, headers=passed_headers(resp.headers))
+    return Response(content, status_code=resp.status_code, headers=passed_headers(resp.headers))
 
 
 def _endpoint(kind: Kind) -> Callable[[Request], Awaitable[Response]]:
@@ -175,6 +197,7 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
     key = cache_key_affinity(tenant.salt, fwd.cache_key) if fwd.cache_key else affinity_key(fwd.salt, fwd.group_id)
     route = state.router.route(key, state.pool.in_flight(), state.pool.down())
+    safety: tenancy.TenantSafety = state.tenant_safety
     if fwd.previous_response_id is not None:
         stored = homes.home(tenant.salt, fwd.previous_response_id)
         if stored is None and not state.keyring.open:  # upstreams do not tell this key's responses from another's
@@ -182,11 +205,12 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
                              param="previous_response_id", code="previous_response_not_found")
         if stored is not None and stored not in state.pool.down():  # else: it answers for itself, elsewhere
             route = route.first(stored)
+    route = safety.restrict(route)  # tenant mode: only upstreams known to keep tenants apart
     held = state.pool.acquire(route.order[0])  # at once: the next request routed counts this one
     forwarder: Forwarder = state.forwarder
     opened: Opened | None = None
     try:
-        work = forwarder.open(fwd, route, upstream_headers(request), exchange, held)
+        work = forwarder.open(fwd, route, upstream_headers(request, tenant), exchange, held)
         result = await unless_disconnected(request, work)
         opened = result if isinstance(result, Opened) else None
     finally:
@@ -227,12 +251,17 @@ def _hold(request: Request, tenant: Tenant) -> Release:
     return release
 
 
-def upstream_headers(request: Request) -> dict[str, str]:
+def upstream_headers(request: Request, tenant: Tenant | None = None) -> dict[str, str]:
     """What an upstream gets besides the body: the upstream key (or, on an open proxy without
-    one, the client's own `Authorization`: a proxy with keys never passes its clients' keys on)."""
+    one, the client's own `Authorization`: a proxy with keys never passes its clients' keys on),
+    and in tenant mode `tenant`'s own salt as `X-Toolkv-Tenant`, which a toolkv upstream that
+    trusts this proxy's key takes as the request's namespace (gateway/edge/auth.py)."""
     state = request.app.state
     settings: Settings = state.settings
     headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    safety: tenancy.TenantSafety = state.tenant_safety
+    if tenant is not None and tenant.salt and safety.required:
+        headers[TENANT_HEADER] = tenant.salt
     # A UUID: llama-cpp-python's server refuses any other X-Request-Id with a bare 400.
     if request_id := getattr(request.state, "upstream_request_id", None):
         headers["x-request-id"] = request_id

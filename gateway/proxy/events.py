@@ -13,6 +13,7 @@ from gateway.proxy.shaping import Kind
 
 MAX_EVENT_BYTES = 8 * 1024**2  # an upstream that sends more without ending an event is broken
 _ENDINGS = (b"\n\n", b"\r\n\r\n")
+_LONGEST_ENDING = max(len(ending) for ending in _ENDINGS)
 _USAGE_MARK = b'"usage"'
 
 
@@ -21,28 +22,39 @@ class StreamBroken(Exception):
 
 
 class EventSplitter:
-    """Cuts an SSE byte stream into events, each with its blank line, byte for byte as received."""
+    """Cuts an SSE byte stream into events, each with its blank line, byte for byte as received.
+    At most `max_event_bytes` are held for an unfinished event, and each byte is searched for an
+    event's end once (an event arriving in many small pieces costs no more than one arriving whole)."""
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+        self._searched = 0  # the buffer's bytes before this hold no event end starting there
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buffer += data
         events: list[bytes] = []
-        while (end := self._event_end()) is not None:
-            events.append(self._buffer[:end])
-            self._buffer = self._buffer[end:]
-        if len(self._buffer) > MAX_EVENT_BYTES:
-            raise StreamBroken(f"the upstream sent {len(self._buffer)} bytes without ending an event")
+        start = 0
+        while (end := self._event_end(start)) is not None:
+            events.append(bytes(self._buffer[start:end]))
+            start = self._searched = end
+        del self._buffer[:start]
+        self._searched = max(0, len(self._buffer) - _LONGEST_ENDING + 1)
+        if len(self._buffer) > self.max_event_bytes:
+            raise StreamBroken(f"the upstream sent {len(self._buffer)} bytes without ending an event "
+                               f"(the limit is {self.max_event_bytes})")
         return events
 
     def rest(self) -> bytes:
         """What came after the last whole event (sent on as it is when the stream ends)."""
-        rest, self._buffer = self._buffer, b""
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        self._searched = 0
         return rest
 
-    def _event_end(self) -> int | None:
-        ends = [at + len(ending) for ending in _ENDINGS if (at := self._buffer.find(ending)) >= 0]
+    def _event_end(self, start: int) -> int | None:
+        since = max(start, self._searched)
+        ends = [at + len(ending) for ending in _ENDINGS if (at := self._buffer.find(ending, since)) >= 0]
         return min(ends) if ends else None
 
 

@@ -2,7 +2,12 @@
 connection, a 5xx, or a stream that ends or breaks before its first event moves on to the next),
 then hand the answer back whole, or relay its stream event by event as the bytes arrive, byte
 for byte (less the usage chunk a client did not ask for). Once the client has a stream's first
-event, a failure ends that stream with an error event."""
+event, a failure ends that stream with an error event.
+
+Bounded (gateway/proxy/bounded.py): raw bytes only, never decompressed; a whole answer, or one
+stream event, of at most `upstream_max_body_bytes`; a stream whose next data event does not come
+within `upstream_event_timeout_s` (keep-alive comments do not count) has failed; an upstream's
+redirect or strange status is its failure, and only the headers the proxy means to send pass."""
 
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 import httpx
 import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
+from gateway.proxy.bounded import Unreadable, check_encoding, passed_headers, passed_status, read_body
 from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.metrics import Usage
@@ -25,9 +32,6 @@ from gateway.proxy.upstreams import Release, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-# Not passed on from an upstream's answer: hop-by-hop, and what the proxy's own server sets.
-DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-                             "trailer", "upgrade", "content-length", "content-encoding", "date", "server"})
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no buffering on the way
 
 
@@ -55,6 +59,13 @@ class Opened:
     release: Release
 
 
+class Bounds(NamedTuple):
+    """How much of an upstream's answer the proxy reads, and how long it waits for it."""
+
+    max_bytes: int  # a whole answer, or one stream event
+    event_timeout_s: float  # a stream's next data event; a whole answer's body once its headers are in
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     upstream: str
@@ -63,10 +74,11 @@ class Failure:
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, pool: UpstreamPool) -> None:
+    def __init__(self, client: httpx.AsyncClient, pool: UpstreamPool, bounds: Bounds) -> None:
         self.client = client
         self.pool = pool
         self.metrics = pool.metrics
+        self.bounds = bounds
 
     async def open(self, fwd: Forward, route: Route, headers: Mapping[str, str], exchange: Exchange,
                    held: Release) -> Answer | Opened:
@@ -90,13 +102,17 @@ class Forwarder:
         raise no_upstream(failures)
 
     async def _post(self, url: str, fwd: Forward, headers: Mapping[str, str], release: Release) -> Answer | Failure:
+        resp: httpx.Response | None = None
         try:
-            resp = await self.client.post(url + fwd.path, content=fwd.body, headers=dict(headers))
-        except httpx.HTTPError as exc:
-            return self._failed(url, exc, answered=False)
+            request = self.client.build_request("POST", url + fwd.path, content=fwd.body, headers=dict(headers))
+            resp = await self.client.send(request, stream=True)
+            content = await read_body(resp, self.bounds.max_bytes, self.bounds.event_timeout_s)
+        except (httpx.HTTPError, Unreadable) as exc:
+            return self._failed(url, exc, answered=resp is not None)
         finally:
+            await close_quietly(resp)
             release()
-        return self._answer(url, resp, resp.content)
+        return self._answer(url, resp, content)
 
     async def _open_stream(self, url: str, fwd: Forward, headers: Mapping[str, str],
                            release: Release) -> Answer | Opened | Failure:
@@ -106,12 +122,13 @@ class Forwarder:
             request = self.client.build_request("POST", url + fwd.path, content=fwd.body, headers=dict(headers))
             resp = await self.client.send(request, stream=True)
             if resp.status_code == 200 and is_event_stream(resp.headers):
+                check_encoding(resp.headers)
                 opened = await self._first_events(url, resp, release)
                 if opened is None:
                     return self._failed(url, StreamBroken("the stream ended before its first event"), True)
                 return opened
-            return self._answer(url, resp, await resp.aread())
-        except (httpx.HTTPError, StreamBroken) as exc:
+            return self._answer(url, resp, await read_body(resp, self.bounds.max_bytes, self.bounds.event_timeout_s))
+        except (httpx.HTTPError, StreamBroken, Unreadable) as exc:
             return self._failed(url, exc, answered=resp is not None)
         finally:
             if opened is None:  # a stream handed on is closed by its relay
@@ -119,20 +136,30 @@ class Forwarder:
                 release()
 
     async def _first_events(self, url: str, resp: httpx.Response, release: Release) -> Opened | None:
-        """The stream up to its first data event (a keep-alive comment before it commits nothing)."""
-        chunks = resp.aiter_bytes()
-        splitter = EventSplitter()
+        """The stream up to its first data event (a keep-alive comment before it commits nothing),
+        raw bytes as they came; Unreadable when it does not come within the event timeout."""
+        chunks = resp.aiter_raw()
+        splitter = EventSplitter(self.bounds.max_bytes)
         first: list[bytes] = []
-        async for data in chunks:
+        deadline = anyio.current_time() + self.bounds.event_timeout_s
+        while (data := await self._next(chunks, deadline)) is not None:
             first += splitter.feed(data)
             if any(has_data(event) for event in first):
                 return Opened(url, passed_headers(resp.headers, STREAM_HEADERS), resp, chunks, splitter, first,
                               time.perf_counter(), release)
         return None
 
+    async def _next(self, chunks: AsyncIterator[bytes], deadline: float) -> bytes | None:
+        """A stream's next bytes (None at its end); Unreadable past `deadline` (anyio's clock)."""
+        try:
+            with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                return await anext(chunks, None)
+        except TimeoutError:
+            raise Unreadable(f"no data event within {self.bounds.event_timeout_s:g} s") from None
+
     def _answer(self, url: str, resp: httpx.Response, content: bytes) -> Answer | Failure:
         self.metrics.upstream_requests.labels(upstream=url, status=str(resp.status_code)).inc()
-        if resp.status_code >= 500:
+        if not passed_status(resp.status_code):
             return Failure(url, answered=True, reason=f"status {resp.status_code}")
         return Answer(url, resp.status_code, passed_headers(resp.headers), content)
 
@@ -149,13 +176,17 @@ class Forwarder:
         try:
             if head := self._kept(opened.first, fwd, exchange):
                 yield head
-            async for data in opened.chunks:
-                if kept := self._kept(opened.splitter.feed(data), fwd, exchange):
+            deadline = anyio.current_time() + self.bounds.event_timeout_s
+            while (data := await self._next(opened.chunks, deadline)) is not None:
+                events = opened.splitter.feed(data)
+                if any(has_data(event) for event in events):
+                    deadline = anyio.current_time() + self.bounds.event_timeout_s
+                if kept := self._kept(events, fwd, exchange):
                     yield kept
             if rest := opened.splitter.rest():
                 yield rest
             status = 200
-        except (httpx.HTTPError, StreamBroken) as exc:
+        except (httpx.HTTPError, StreamBroken, Unreadable) as exc:
             status = 502
             log.warning("upstream %s broke off a stream: %s", opened.upstream, exc,
                         extra={"toolkv": {"request_id": exchange.request_id}})
@@ -209,12 +240,6 @@ def stream_error(kind: Kind) -> bytes:
 def is_event_stream(headers: httpx.Headers) -> bool:
     media_type: str = headers.get("content-type", "")
     return media_type.split(";")[0].strip().lower() == "text/event-stream"
-
-
-def passed_headers(headers: httpx.Headers, defaults: Mapping[str, str] | None = None) -> dict[str, str]:
-    passed = {**(defaults or {})}
-    passed.update((name, value) for name, value in headers.items() if name.lower() not in DROPPED_HEADERS)
-    return passed
 
 
 async def close_quietly(resp: httpx.Response | None) -> None:

@@ -1,6 +1,8 @@
 """What the proxy asks of every upstream at once: `/health` (their reachability, which also
 marks them up or down for routing; on every `GET /health` and every `upstream_probe_s` in the
-background) and `/v1/models` (the union of their lists)."""
+background; in tenant mode an upstream found up that is not yet known to keep tenants apart, or
+back after being down, is checked again: gateway/proxy/tenancy.py) and `/v1/models` (the union of
+their lists). Every answer is read bounded (gateway/proxy/bounded.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +11,39 @@ import logging
 from typing import Any
 
 import httpx
+import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable
+from gateway.proxy import tenancy
+from gateway.proxy.bounded import Unreadable, fetch
 from gateway.proxy.upstreams import UpstreamPool
 
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = ("loading", "failed")  # a toolkv upstream's /health while it cannot serve
+PROBE_BYTES = 1024**2  # a /health answer larger than this is an error
 
 
 async def probe_all(state: Any) -> list[dict[str, Any]]:
     """Each upstream's status (`ok`, `loading`, `failed`, `error`, `unreachable`) and requests in flight."""
     pool: UpstreamPool = state.pool
+    safety: tenancy.TenantSafety = state.tenant_safety
     statuses = await asyncio.gather(*(probe(state, url) for url in pool.urls))
+    was_down = pool.down()
     in_flight = pool.in_flight()
     for url, status in zip(pool.urls, statuses, strict=True):
         (pool.mark_up if status == "ok" else pool.mark_down)(url)
-    return [{"url": url, "status": status, "in_flight": in_flight[url]}
-            for url, status in zip(pool.urls, statuses, strict=True)]
+    if safety.required:
+        recheck = tuple(url for url, status in zip(pool.urls, statuses, strict=True)
+                        if status == "ok" and (url in was_down or not safety.usable(url)))
+        if recheck:
+            await tenancy.check_all(state, recheck)
+    answers: list[dict[str, Any]] = [{"url": url, "status": status, "in_flight": in_flight[url]}
+                                     for url, status in zip(pool.urls, statuses, strict=True)]
+    if safety.required:
+        for answer in answers:
+            answer["tenants_apart"] = safety.usable(answer["url"])
+    return answers
 
 
 async def watch(state: Any, period_s: float) -> None:
@@ -43,22 +60,25 @@ async def watch(state: Any, period_s: float) -> None:
 async def probe(state: Any, url: str) -> str:
     client: httpx.AsyncClient = state.forwarder.client
     try:
-        resp = await client.get(url + "/health", timeout=state.settings.upstream_connect_timeout_s)
+        resp, body = await fetch(client, "GET", url + "/health", limit=PROBE_BYTES,
+                                 timeout_s=state.settings.upstream_connect_timeout_s)
     except httpx.HTTPError:
         return "unreachable"
-    said = _status_field(resp)
+    except Unreadable:
+        return "error"
+    said = _status_field(body)
     if said in UNAVAILABLE:
         return said
     # 404: it answers, but has no health route (llama-cpp-python's server): reachable is all we learn
     return "ok" if resp.status_code in (200, 404) else "error"
 
 
-def _status_field(resp: httpx.Response) -> str | None:
+def _status_field(body: bytes) -> str | None:
     try:
-        body = resp.json()
-    except ValueError:  # vLLM's /health answers 200 with an empty body
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:  # vLLM's /health answers 200 with an empty body
         return None
-    status = body.get("status") if isinstance(body, dict) else None
+    status = value.get("status") if isinstance(value, dict) else None
     return status if isinstance(status, str) else None
 
 
@@ -82,14 +102,18 @@ async def _model_list(state: Any, url: str, headers: dict[str, str]) -> list[dic
     """The upstream's model entries, or why not: `error` (an answer that is not a list) or `unreachable`."""
     client: httpx.AsyncClient = state.forwarder.client
     try:
-        resp = await client.get(url + "/v1/models", headers=headers,
-                                timeout=state.settings.upstream_connect_timeout_s)
+        resp, body = await fetch(client, "GET", url + "/v1/models", headers=headers,
+                                 limit=state.settings.upstream_max_body_bytes,
+                                 timeout_s=state.settings.upstream_connect_timeout_s)
     except httpx.HTTPError:
         return "unreachable"
+    except Unreadable:
+        return "error"
     try:
-        data = resp.json().get("data") if resp.status_code == 200 else None
-    except (ValueError, AttributeError):
-        data = None
+        listing = orjson.loads(body) if resp.status_code == 200 else None
+    except orjson.JSONDecodeError:
+        listing = None
+    data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return "error"
     return [entry for entry in data if isinstance(entry, dict)]

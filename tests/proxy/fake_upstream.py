@@ -1,10 +1,13 @@
 """A scripted OpenAI-compatible upstream for what a real toolkv cannot be made to do on cue: it
 records every request that reaches it (body and headers), can hold requests until the test
-releases them, answer with a status, or break its stream off."""
+releases them, answer with a status, or break its stream off; says on /version that it takes
+toolkv's tenant header (or not); and misbehaves on cue: headers a client must not see, a body or
+an event larger than a bound, a compressed answer, a stream of keep-alive comments alone."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -55,6 +58,11 @@ class FakeUpstream:
     break_after: int | None = None  # stream: this many events, then the connection drops
     ping_first: bool = False  # stream: a keep-alive comment before the first event
     like_llama_cpp_python: bool = False  # /health is a 404; a bare 400 unless X-Request-Id is a UUID
+    tenant_salt: bool = True  # /version says it takes X-Toolkv-Tenant (as a toolkv that trusts the proxy)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # on every chat answer
+    padding: int = 0  # bytes of padding in an answer's content (whole) or its one content event (stream)
+    gzipped: bool = False  # a whole answer compressed (Content-Encoding: gzip) whatever was asked
+    comments_only: bool = False  # a stream of keep-alive comments and nothing else, until the client leaves
     app: FastAPI = field(init=False)
     base_url: str = field(init=False, default="")  # set once it runs
 
@@ -62,6 +70,7 @@ class FakeUpstream:
         self.app = FastAPI()
         self.app.state.settings = load_settings(environ={})
         self.app.add_api_route("/health", self._health, methods=["GET"])
+        self.app.add_api_route("/version", self._version, methods=["GET"])
         self.app.add_api_route("/v1/models", self._models, methods=["GET"])
         self.app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
 
@@ -69,6 +78,11 @@ class FakeUpstream:
         if self.like_llama_cpp_python:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse({"status": "ok"})
+
+    async def _version(self) -> JSONResponse:
+        if self.like_llama_cpp_python:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse({"version": "0.1.0", "tenant_salt": self.tenant_salt})
 
     async def _models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": f"model-{self.name}", "object": "model",
@@ -88,15 +102,25 @@ class FakeUpstream:
             return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "fake",
                                            "param": None, "code": None}}, status_code=self.status)
         if body.get("stream"):
-            return StreamingResponse(self._events(body), media_type="text/event-stream")
-        return JSONResponse({"id": f"chatcmpl-{self.name}", "object": "chat.completion", "created": 0,
-                             "model": body.get("model"), "choices": [{
-                                 "index": 0, "message": {"role": "assistant", "content": f"from {self.name}"},
-                                 "finish_reason": "stop", "logprobs": None}], "usage": self._usage()})
+            return StreamingResponse(self._events(body), media_type="text/event-stream", headers=self.extra_headers)
+        answer = orjson.dumps({"id": f"chatcmpl-{self.name}", "object": "chat.completion", "created": 0,
+                               "model": body.get("model"), "choices": [{
+                                   "index": 0, "message": {"role": "assistant", "content": self._content()},
+                                   "finish_reason": "stop", "logprobs": None}], "usage": self._usage()})
+        headers = {"content-type": "application/json", **self.extra_headers}
+        if self.gzipped:
+            answer, headers["content-encoding"] = gzip.compress(answer), "gzip"
+        return Response(answer, headers=headers)
+
+    def _content(self) -> str:
+        return f"from {self.name}" + " " * self.padding
 
     async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         if self.ping_first:
             yield b": ping\n\n"
+        while self.comments_only:
+            yield b": still here\n\n"
+            await asyncio.sleep(0.02)
         for sent, chunk in enumerate(self.chunks(body)):
             if sent == self.break_after:
                 raise RuntimeError("the fake upstream drops the connection mid-stream")
@@ -109,7 +133,7 @@ class FakeUpstream:
             return {"id": f"chatcmpl-{self.name}", "object": "chat.completion.chunk", "created": 0,
                     "model": body.get("model"), "choices": choices}
 
-        out = [chunk({"role": "assistant", "content": ""}), chunk({"content": f"from {self.name}"}),
+        out = [chunk({"role": "assistant", "content": ""}), chunk({"content": self._content()}),
                chunk({}, "stop")]
         if (body.get("stream_options") or {}).get("include_usage"):
             out.append({**chunk(None), "usage": self._usage()})

@@ -164,6 +164,10 @@ def test_keys_are_required_and_upstreams_get_the_upstream_key_and_each_tenants_c
         own_a, shared_a, own_b, shared_b = arrivals.seen
         assert own_a.body["cache_salt"] == _salt(b"key-a") and own_b.body["cache_salt"] == _salt(b"key-b")
         assert "cache_salt" not in shared_a.body and "cache_salt" not in shared_b.body
+        # a toolkv upstream's namespace is the tenant's own, for a shared group too (its conversation
+        # records and stored responses are the tenant's; the upstream's shared_groups share the group)
+        assert own_a.headers["x-toolkv-tenant"] == shared_a.headers["x-toolkv-tenant"] == _salt(b"key-a")
+        assert own_b.headers["x-toolkv-tenant"] == shared_b.headers["x-toolkv-tenant"] == _salt(b"key-b")
         assert shared_a.upstream == shared_b.upstream == home_of(upstreams, shared_system, TOOLS).name
         assert own_a.upstream == home_of(upstreams, SYSTEM, TOOLS, salt=_salt(b"key-a")).name
         assert {a.headers["authorization"] for a in arrivals.seen} == {"Bearer up-secret"}
@@ -176,7 +180,7 @@ def test_an_open_proxy_passes_the_clients_key_on_and_salts_nothing(fakes):
     with proxy(upstreams, upstream_cache_salt="tenant") as live:
         assert post(live, body(), "client-key").status_code == 200
         assert arrivals.seen[0].headers["authorization"] == "Bearer client-key"
-        assert "cache_salt" not in arrivals.seen[0].body
+        assert "cache_salt" not in arrivals.seen[0].body and "x-toolkv-tenant" not in arrivals.seen[0].headers
 
 
 def test_the_per_key_quota_and_the_body_limit_hold(fakes):
