@@ -40,7 +40,7 @@ from gateway.edge.handlers import install_error_handlers
 from gateway.edge.limits import BodySizeLimit
 from gateway.edge.shutdown_answer import CutOffAnswer
 from gateway.metrics import Metrics
-from gateway.protocol import chat as protocol
+from gateway.protocol import chat_output
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest
 from gateway.serving.jobs import Prepared
@@ -129,7 +129,7 @@ def _install_routes(app: FastAPI) -> None:
     async def models(request: Request) -> JSONResponse:
         request.app.state.keyring.tenant(request)
         runtime = current_runtime(request)
-        return JSONResponse(protocol.model_list(runtime.model_name, request.app.state.started_at))
+        return JSONResponse(chat_output.model_list(runtime.model_name, request.app.state.started_at))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -147,7 +147,7 @@ def _install_routes(app: FastAPI) -> None:
                 return await whole_json(request, runtime, prepared, runtime.service.complete(prepared))
             return await _streamed(request, runtime, prepared, req.include_usage, release)
 
-        return await serve_generation(request, protocol.new_completion_id(), _prepare, respond)
+        return await serve_generation(request, chat_output.new_completion_id(), _prepare, respond)
 
 
 async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, include_usage: bool,

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
+from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
 from gateway.engine.events import (
     Failed,
     Finished,
@@ -44,12 +44,17 @@ from gateway.engine.events import (
     Prefilled,
     QueueFull,
     Task,
-    TextDelta,
     TooLarge,
 )
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
-from gateway.engine.sampling import NonFiniteLogits, Sampler, SamplingParams, TextStream, all_finite
+from gateway.engine.sampling import (
+    NonFiniteLogits,
+    SamplingParams,
+    all_finite,
+    greedy_picks,
+    on_host,
+)
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
@@ -117,10 +122,7 @@ class Engine:
             raise TooLarge(f"the request needs {len(job.prompt_ids) + job.params.max_tokens} tokens of KV; "
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         job.submitted = time.perf_counter()
-        try:
-            self._intake.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        self._enqueue(job)
 
     def abort(self, job: Job) -> None:
         """Stop a job wherever it is (queued, waiting or running); its blocks are freed."""
@@ -129,10 +131,7 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn` on the engine thread, between steps; its result arrives in the future."""
         task = Task(fn)
-        try:
-            self._intake.put_nowait(task)
-        except queue.Full:
-            raise QueueFull from None
+        self._enqueue(task)
         return task.future
 
     def warm(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> Future[tuple[CacheEntry, bool]]:
@@ -147,10 +146,7 @@ class Engine:
         job = Job(list(key.token_ids), len(key.token_ids), SamplingParams(max_tokens=1), emit=lambda _: None,
                   group_id=group_id, tool_names=tool_names, warm=future)
         job.submitted = time.perf_counter()
-        try:
-            self._intake.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        self._enqueue(job)
         return future
 
     def forget_conversations(self) -> Future[int]:
@@ -185,6 +181,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self._running)
+
+    def _enqueue(self, item: Job | Task) -> None:
+        try:
+            self._intake.put_nowait(item)
+        except queue.Full:
+            raise QueueFull from None
 
     # ---- the step loop -----------------------------------------------------------------------
 
@@ -286,39 +288,19 @@ class Engine:
         placement = self.cache.admit(job, recompute)
         if placement is HOLD or placement is None:
             return placement
-        return self._sequence(job, placement)
-
-    def _sequence(self, job: Job, placed: Placement) -> Sequence:
-        stop = job.params.stop if job.warm is None else ()
-        seq = Sequence(job, placed.group_len, placed.result, placed.own_run, placed.ends,
-                       Sampler(job.params, job.constraint),
-                       TextStream(self.tokenizer, stop, self.info.special_ids, job.keep_token_ids),
-                       key=placed.key, entry=placed.entry, group_run=placed.group_run, tier=placed.tier,
-                       lookup_s=placed.lookup_s, chain=placed.chain, source=placed.record,
-                       rest_from=placed.rest_from, admitted_at=placed.admitted_at)
-        seq.reused = placed.reused
-        if placed.group_run is not None:
-            seq.phase = Phase.GROUP
-            seq.computed = placed.group_from
-            seq.compile_started = seq.admitted_at
+        seq = Sequence.admitted(job, placement, self.tokenizer, self.info.special_ids)
+        if seq.phase is Phase.GROUP:
             self.cache.start_compiling(seq)
-        else:
-            seq.computed = placed.rest_from
         return seq
 
     # ---- running -----------------------------------------------------------------------------
 
     def _decode(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each decode row: the plain greedy ones by one argmax over their rows on the
-        device (one transfer for all), the others per sequence, from one copy of their rows."""
-        plain = [i for i, seq in enumerate(seqs) if seq.sampler.plain]
-        picked: dict[int, tuple[int, int]] = {}
-        if plain:
-            rows = logits if len(plain) == len(seqs) else logits[plain]
-            best, ok = torch.argmax(rows, dim=-1), torch.isfinite(rows.amax(dim=-1))
-            picked = dict(zip(plain, zip(*torch.stack([best, ok.long()]).tolist(), strict=True), strict=True))
+        """Sample each decode row: the plain greedy ones on the device, the others per sequence,
+        from one copy of their rows."""
+        picked = greedy_picks(logits, [i for i, seq in enumerate(seqs) if seq.sampler.plain])
         others = [i for i in range(len(seqs)) if i not in picked]
-        host = dict(zip(others, self._host(logits[others]) if others else (), strict=True))
+        host = dict(zip(others, on_host(logits[others]) if others else (), strict=True))
         for index, seq in enumerate(seqs):
             try:
                 if index in picked:
@@ -331,11 +313,6 @@ class Engine:
             except Exception as exc:  # non-finite logits, a grammar that refused a token: this one only
                 self._fail(seq, exc)
 
-    def _host(self, logits: torch.Tensor) -> torch.Tensor:
-        """Rows a sequence samples from itself (penalties, grammar, logprobs, temperature): on the
-        CPU, where its sampler keeps its state, in one copy."""
-        return logits.cpu() if logits.device.type != "cpu" else logits
-
     def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, started: float) -> None:
         try:
             if seq.phase is Phase.PROMPT:
@@ -344,7 +321,7 @@ class Engine:
             if seq.phase is Phase.GROUP and end == seq.group_len:
                 self._group_done(seq)
             elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
-                self._prompt_done(seq, logits if seq.sampler.plain else self._host(logits))
+                self._prompt_done(seq, logits if seq.sampler.plain else on_host(logits))
         except Exception as exc:
             self._fail(seq, exc)
 
@@ -407,7 +384,7 @@ class Engine:
         if seq.sampler.last_logprob is not None:  # (after the end-of-sequence check: that one is no answer's)
             seq.logprobs.hold(seq.sampler.last_logprob, seq.stream.text_chars)
         if delta or seq.stream.stopped:
-            self._emit_text(seq, delta, seq.stream.emitted_chars)
+            seq.emit_text(delta, seq.stream.emitted_chars)
         if delta and job.first_token_sent is not None and not seq.first_token_handed_off:
             seq.first_token_handed_off = True
             job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
@@ -422,15 +399,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
         self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
-        self._emit_text(seq, seq.stream.flush(), None)
+        seq.emit_text(seq.stream.flush(), None)
         seq.job.emit(Finished(reason, count, tuple(seq.stream.token_ids)))
-
-    def _emit_text(self, seq: Sequence, text: str, sent_chars: int | None) -> None:
-        """Send `text` (the answer is `sent_chars` characters long with it; None: all of it) with
-        the logprobs of the tokens whose text it completes."""
-        logprobs = seq.logprobs.release(sent_chars, cut=seq.stream.stopped)
-        if text or logprobs:
-            seq.job.emit(TextDelta(text, logprobs))
 
     def _retire(self, seq: Sequence, keep_turn: bool = False) -> None:
         """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV

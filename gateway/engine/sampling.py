@@ -52,6 +52,22 @@ def all_finite(logits: torch.Tensor) -> bool:
     return bool(torch.isfinite(logits.max()))  # max is NaN if any is, +inf if any is, -inf if all are
 
 
+def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, tuple[int, int]]:
+    """For the plain greedy `rows` of a step's logits: each one's argmax and whether the row is
+    finite (1/0), by one argmax on the device and one transfer for all."""
+    if not rows:
+        return {}
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]
+    best, ok = torch.argmax(picked, dim=-1), torch.isfinite(picked.amax(dim=-1))
+    return dict(zip(rows, zip(*torch.stack([best, ok.long()]).tolist(), strict=True), strict=True))
+
+
+def on_host(logits: torch.Tensor) -> torch.Tensor:
+    """Rows a sequence samples from itself (penalties, grammar, logprobs, temperature): on the CPU,
+    where its sampler keeps its state, in one copy."""
+    return logits.cpu() if logits.device.type != "cpu" else logits
+
+
 class Sampler:
     """One sequence's next-token choice: the logits are checked, biased (`logit_bias`), penalized
     (presence/frequency, over this sequence's tokens so far), masked to its grammar (if it has

@@ -13,17 +13,21 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gateway.engine.chunks import next_end
-from gateway.engine.events import CacheResult, Job
+from gateway.engine.events import CacheResult, Job, TextDelta
 from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
 from gateway.engine.sampling import HeldLogprobs, Sampler, TextStream
 from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
+
+if TYPE_CHECKING:  # the cache manager makes sequences' placements and keeps sequences
+    from gateway.engine.cache_manager import Placement
 
 
 class Phase(enum.Enum):
@@ -61,6 +65,23 @@ class Sequence:
     rest_from: int = 0  # where its own prompt tokens start being computed (after a copied turn)
     logprobs: HeldLogprobs = field(default_factory=HeldLogprobs)  # sampled, their text not sent yet
     _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def admitted(cls, job: Job, placed: Placement, tokenizer: Any, special_ids: frozenset[int]) -> Sequence:
+        """The sequence of an admitted job, its KV where the cache manager placed it."""
+        stop = job.params.stop if job.warm is None else ()
+        seq = cls(job, placed.group_len, placed.result, placed.own_run, placed.ends,
+                  Sampler(job.params, job.constraint), TextStream(tokenizer, stop, special_ids, job.keep_token_ids), key=placed.key, entry=placed.entry,
+                  group_run=placed.group_run, tier=placed.tier, lookup_s=placed.lookup_s, chain=placed.chain,
+                  source=placed.record, rest_from=placed.rest_from, admitted_at=placed.admitted_at,
+                  reused=placed.reused)
+        if placed.group_run is not None:
+            seq.phase = Phase.GROUP
+            seq.computed = placed.group_from
+            seq.compile_started = seq.admitted_at
+        else:
+            seq.computed = placed.rest_from
+        return seq
 
     @property
     def prompt(self) -> list[int]:
@@ -106,6 +127,13 @@ class Sequence:
         if self.entry is not None and self.entry.blocks is not None:
             return self.entry.blocks.token_start
         return -1
+
+    def emit_text(self, text: str, sent_chars: int | None) -> None:
+        """Send `text` (the answer is `sent_chars` characters long with it; None: all of it) with
+        the logprobs of the tokens whose text it completes."""
+        logprobs = self.logprobs.release(sent_chars, cut=self.stream.stopped)
+        if text or logprobs:
+            self.job.emit(TextDelta(text, logprobs))
 
     def release(self) -> None:
         """Give back every block this sequence holds (its own run, the group it read or wrote)."""

@@ -10,7 +10,7 @@ from adapters.base import ChatFamily
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
 from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway.engine import EngineEvent, Finished
-from gateway.protocol import chat as protocol
+from gateway.protocol import chat_output
 from gateway.serving.jobs import Prepared
 
 
@@ -30,7 +30,7 @@ def assistant_message(family: ChatFamily, text: str, prepared: Prepared, finish:
     calls: dict[int, dict[str, Any]] = {}
     for piece in pieces:
         if isinstance(piece, ToolCallStart) and not (prepared.single_call and piece.index > 0):
-            calls[piece.index] = {"id": protocol.new_tool_call_id(), "type": "function",
+            calls[piece.index] = {"id": chat_output.new_tool_call_id(), "type": "function",
                                   "function": {"name": piece.name, "arguments": ""}}
         elif isinstance(piece, ToolCallArgsDelta) and piece.index in calls:
             calls[piece.index]["function"]["arguments"] += piece.fragment
@@ -58,7 +58,7 @@ class CallTracker:
                 continue
             elif isinstance(piece, ToolCallStart):
                 self.count += 1
-                out.append({"tool_calls": [{"index": piece.index, "id": protocol.new_tool_call_id(),
+                out.append({"tool_calls": [{"index": piece.index, "id": chat_output.new_tool_call_id(),
                                             "type": "function",
                                             "function": {"name": piece.name, "arguments": ""}}]})
             elif isinstance(piece, ToolCallArgsDelta):

@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.engine import EngineEvent, Finished, Job, Prefilled
 from gateway.engine.sampling import TokenLogprob
-from gateway.protocol import chat as protocol
+from gateway.protocol import chat_output
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class Prepared:
     started: float = field(default_factory=time.perf_counter)  # request arrival: TTFT counts from here
     prepare_s: float = 0.0  # arrival to job: parse, validate, render, tokenize
     prefilled: Prefilled | None = None  # set when the engine reports the prefill
-    request_id: str = field(default_factory=protocol.new_completion_id)  # also the completion's id
+    request_id: str = field(default_factory=chat_output.new_completion_id)  # also the completion's id
     legacy_functions: bool = False  # asked with `functions`: answer with `function_call`
 
     def response_headers(self) -> dict[str, str]:
@@ -69,7 +69,7 @@ class Outcome:
 def usage_of(prepared: Prepared, outcome: Outcome) -> dict[str, Any]:
     pre = outcome.prefilled
     completion = outcome.finish.completion_tokens if outcome.finish else 0
-    return protocol.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
+    return chat_output.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
                                prepared.cache_write_tokens)
 
 

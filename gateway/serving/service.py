@@ -24,7 +24,7 @@ from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
-from gateway.protocol import chat as protocol
+from gateway.protocol import chat_output
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.accounting import Accounting
 from gateway.serving.answers import CallTracker, assistant_message, call_finish, chain
@@ -124,7 +124,7 @@ class ChatService:
                         forced_opening=forced.opening, single_call=single_call,
                         use_cache=use_cache, group_id=group_id, started=received,
                         prepare_s=time.perf_counter() - received,
-                        request_id=request_id or protocol.new_completion_id(),
+                        request_id=request_id or chat_output.new_completion_id(),
                         legacy_functions=req.legacy_functions)
 
     def prepare_ids(self, ids: list[int], params: SamplingParams, *, bypass: bool = False,
@@ -137,7 +137,7 @@ class ChatService:
         return Prepared(job=job, model_name=self.model_name, tools_active=False, forced_opening="",
                         single_call=False, use_cache=use_cache, group_id="", started=received,
                         prepare_s=time.perf_counter() - received,
-                        request_id=request_id or protocol.new_completion_id())
+                        request_id=request_id or chat_output.new_completion_id())
 
     def _check_characters(self, messages: list[ChatMessage]) -> None:
         """Reject a prompt that cannot fit before rendering or tokenizing it: no token spans more
@@ -290,7 +290,7 @@ class ChatService:
                                                    outcome.finish, self.metrics.tool_parse_failures.inc)
         usage = usage_of(prepared, outcome)
         self.accounting.record(prepared, outcome, "200", stream=False)
-        return protocol.completion_dict(prepared.request_id, prepared.model_name, message,
+        return chat_output.completion_dict(prepared.request_id, prepared.model_name, message,
                                         finish_reason, usage, self.system_fingerprint,
                                         logprobs=self.logprobs_content(prepared, outcome.logprobs),
                                         legacy_functions=prepared.legacy_functions)
@@ -312,7 +312,7 @@ class ChatService:
 
     async def _stream(self, prepared: Prepared, include_usage: bool,
                       outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
-        chunk = functools.partial(protocol.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
+        chunk = functools.partial(chat_output.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
                                   system_fingerprint=self.system_fingerprint,
                                   legacy_functions=prepared.legacy_functions)
         logprobs = StreamLogprobs(self.token_texts if prepared.job.params.logprobs else None,
