@@ -33,6 +33,7 @@ from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
 from gateway.bench.server import BaselineSwap, ServerFailed, SpawnedServer
 from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools
+from gateway.settings import DEFAULT_CONFIG, load_settings
 
 FLOOR_QUESTIONS = 5
 
@@ -236,9 +237,7 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:
     """Settings for the in-process model, or None when it would not be the server's model."""
-    from gateway.cli.main import DEFAULT_CONFIG
     from gateway.engine.model_loader import resolve_source
-    from gateway.settings import load_settings
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     model = args.floor_model or (args.model if args.spawn else None)

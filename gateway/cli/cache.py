@@ -24,7 +24,8 @@ from adapters.render import RenderError
 from gateway.cli_errors import EXIT_FAILURE, CliError
 from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.errors import APIError
-from gateway.settings import Settings, SettingsError
+from gateway.logs import configure_logging
+from gateway.settings import Settings, SettingsError, config_or_default, load_settings
 
 if TYPE_CHECKING:
     from gateway.kvcache.disk_tier import DiskRecord, DiskTier
@@ -39,7 +40,7 @@ def register(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", help="the cache dir (default: from settings)")
     common.add_argument("--config", help="a TOML settings file (default: config/toolkv.toml if present)")
-    common.set_defaults(host=None, port=None, model=None)
+    common.set_defaults(model=None)
     cache = sub.add_parser("cache", help="list, warm and remove cached tool groups (no server needed)")
     actions = cache.add_subparsers(dest="action", required=True)
     ls = actions.add_parser("ls", parents=[common], help="list the entries on disk")
@@ -100,8 +101,6 @@ def _clear(args: argparse.Namespace) -> int:
 def _warm(args: argparse.Namespace) -> int:
     settings = _settings(args)
     request = read_warm_file(Path(args.file), settings.max_schema_depth)
-    from gateway.cli.main import configure_logging
-
     configure_logging(settings)
     warmed, on_disk = _warm_with_model(settings, request)
     print(json.dumps({**warmed, "on_disk": on_disk}, indent=2))
@@ -182,10 +181,9 @@ def _check_file_depth(path: Path, data: dict[str, Any], max_schema_depth: int) -
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    from gateway.cli.main import settings_from_args
-
+    """The settings `toolkv serve` would use, with this command's --cache-dir and --model."""
     try:
-        return settings_from_args(args)
+        return load_settings(config_or_default(args.config), {"cache_dir": args.cache_dir, "model": args.model})
     except SettingsError as exc:
         raise CliError(str(exc)) from None
 

@@ -30,6 +30,7 @@ from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 from starlette.types import ASGIApp
 
+from gateway.logs import configure_logging
 from gateway.serve_ray import engine_name
 from gateway.serve_ray.asgi_call import ResponseHead, call_asgi
 from gateway.settings import Settings, load_settings
@@ -120,8 +121,6 @@ def configure_replica_logging(settings: Settings) -> None:
     """The gateway's own log format (JSON with `log_json`) and level in a Ray worker, so each
     request's INFO line carries its fields as `toolkv serve` prints them; httpx's line per call
     to a replica is left out unless debugging."""
-    from gateway.cli.main import configure_logging
-
     configure_logging(settings)
     if settings.log_level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)

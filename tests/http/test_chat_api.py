@@ -187,7 +187,7 @@ def test_sdk_raises_typed_errors(client):
 def test_one_structured_log_line_per_request_without_the_prompt(client, merchant_tools, caplog):
     import logging
 
-    from gateway.cli.main import _JsonFormatter
+    from gateway.logs import _JsonFormatter
 
     with caplog.at_level(logging.INFO, logger="gateway.serving.service"):
         resp = client.chat.completions.create(model="tiny-llama", messages=ask("secret question 42"),
