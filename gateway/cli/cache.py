@@ -113,8 +113,9 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str, Any], bool]:
+    # lazy: the model runtime imports torch; `ls`, `rm` and `clear` never load a model
     from gateway.metrics import Metrics
-    from gateway.serving.runtime import build_runtime
+    from gateway.serving.runtime import build_runtime  # lazy: torch, as above
 
     try:
         runtime = build_runtime(settings, Metrics())
@@ -130,7 +131,7 @@ def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str
 
 
 def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warmed:
-    from gateway.serving.cache_admin import plan_warm, warm_plan
+    from gateway.serving.cache_admin import plan_warm, warm_plan  # lazy: serving imports the engine (torch)
 
     try:
         plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
@@ -145,7 +146,7 @@ def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warm
 def read_warm_file(path: Path, max_schema_depth: int) -> WarmRequest:
     """The file's tools and system prompt; a `CliError` naming the file and the problem for
     anything else. Nesting is measured before pydantic (or anything recursive) sees the data."""
-    from gateway.serving.cache_admin import WarmRequest
+    from gateway.serving.cache_admin import WarmRequest  # lazy: serving imports the engine (torch)
 
     try:
         data = orjson.loads(path.read_bytes())
@@ -199,7 +200,7 @@ def _cache_dir_errors(settings: Settings) -> Iterator[None]:
 
 
 def _disk(settings: Settings) -> DiskTier:
-    from gateway.kvcache.disk_tier import DiskTier  # imports torch: not for `toolkv serve --upstream`
+    from gateway.kvcache.disk_tier import DiskTier  # lazy: imports torch, not for `toolkv serve --upstream`
 
     return DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes)
 

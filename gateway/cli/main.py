@@ -193,7 +193,7 @@ def _run_server(settings: Settings) -> None:
     # lazy: uvicorn and the app (the model's torch, or the proxy's httpx) only when serving
     import uvicorn
 
-    from gateway.edge.server import server_config
+    from gateway.edge.server import server_config  # lazy: with uvicorn, only when serving
 
     uvicorn.Server(server_config(_app(settings), settings)).run()
 

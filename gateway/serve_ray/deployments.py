@@ -66,9 +66,10 @@ class EngineReplica:
     """One model runtime: the model app, started here; the ingress calls `call` per request."""
 
     async def __init__(self, settings_json: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray awaits it
+        # lazy: the model app imports torch, which the ingress (and the driver declaring the app) must not
         from gateway.api.app import create_app
-        from gateway.metrics import Metrics
-        from gateway.serving.runtime import Runtime, build_runtime
+        from gateway.metrics import Metrics  # lazy: as above
+        from gateway.serving.runtime import Runtime, build_runtime  # lazy: torch, as above
 
         loaded: concurrent.futures.Future[Runtime] = concurrent.futures.Future()
 
@@ -108,9 +109,10 @@ class Ingress:
         self.handles = {engine_name(i): handle for i, handle in enumerate(engines)}
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
+        # lazy: only the ingress replica builds the proxy app, never the driver that declares the application
         from gateway.proxy.app import create_proxy_app
-        from gateway.serve_ray.fleet_view import install_fleet_view
-        from gateway.serve_ray.transport import ForwardClientKey, ReplicaTransport
+        from gateway.serve_ray.fleet_view import install_fleet_view  # lazy: as above
+        from gateway.serve_ray.transport import ForwardClientKey, ReplicaTransport  # lazy: as above
 
         app = create_proxy_app(self.settings, ReplicaTransport(self.handles))
         install_fleet_view(app, self.settings.upstreams)

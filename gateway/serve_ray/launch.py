@@ -18,6 +18,7 @@ import signal
 import threading
 
 from gateway.cli_errors import EXIT_FAILURE, CliError
+from gateway.serve_ray import APP_NAME
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,7 @@ def serve_replicas(settings: Settings) -> int:
     import ray
     from ray import serve
 
-    from gateway.serve_ray import APP_NAME
-    from gateway.serve_ray.deployments import build_application, engine_num_gpus
+    from gateway.serve_ray.deployments import build_application, engine_num_gpus  # lazy: imports Ray Serve
 
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -86,8 +86,6 @@ def _stop_serving(shared: bool, deadline_s: float) -> None:
     waiting at most `deadline_s`: a Ctrl-C also reaches a local instance's raylet, and Serve's
     shutdown then waits for it forever."""
     from ray import serve
-
-    from gateway.serve_ray import APP_NAME
 
     stopper = threading.Thread(target=lambda: serve.delete(APP_NAME) if shared else serve.shutdown(),
                                name="toolkv-serve-stop", daemon=True)
