@@ -1,11 +1,13 @@
 """`toolkv bench`: TTFT, latency and cache hit measurements through the real HTTP API.
 
-workload, trajectories, history and bfcl (what is sent) -> client (one timed request) ->
-scenarios (single, toolcount, interleaved, restart, concurrent, compile-overlap, soak, agent,
-history; constrained in constrained.py, whose answers validity.py checks; fleet in fleet.py, which
-reads the ingress's /metrics with fleet_metrics.py) -> floor (the in-process limit) -> report,
-agent_report, history_report, constrained_report and fleet_report (numbers, JSON, tables) and
-plots; command runs them, server spawns `toolkv serve`, options is the command line.
+workload, trajectories, history and bfcl (what is sent; the default files, shipped in workloads/,
+are named in data) -> client (one timed request) -> context (plan, context and result of a
+scenario) -> scenarios (the registry; single, toolcount, interleaved, restart, concurrent,
+compile-overlap, soak), conversations (agent, history), constrained (whose answers validity.py
+checks) and fleet (which reads the ingress's /metrics with fleet_metrics.py) -> floor (the
+in-process limit) -> report, agent_report, history_report, constrained_report and fleet_report
+(numbers, JSON, tables; percentiles in stats) and plots; command runs them, server spawns
+`toolkv serve`, options is the command line (names: the scenarios' names).
 """
 
 from gateway.bench.options import register

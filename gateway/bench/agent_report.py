@@ -18,6 +18,7 @@ from rich import box
 from rich.table import Table
 
 from gateway.bench.client import Sample
+from gateway.bench.stats import percentile
 
 NEW_TOKENS_FROM = "prompt_delta"  # what `new_tokens` means in the report: prompt_k - prompt_k-1
 # From issue 16: from a conversation's second turn on, a turn computes its new messages within one
@@ -49,8 +50,6 @@ def _row(s: Sample, before: Sample | None) -> dict[str, Any]:
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from gateway.bench.report import percentile
-
     def p50(key: str) -> float | None:
         return _round(percentile([r[key] for r in rows if r[key] is not None], 50))
 

@@ -138,6 +138,32 @@ class SchemaRow:
         return {"type": "json_schema", "json_schema": {"name": self.id.replace("-", "_"), "schema": self.schema}}
 
 
+# The constrained scenario's request kinds: tool rows are sent four ways, schema rows by their kind.
+TOOL_KINDS = ("required", "named", "required-stream", "named-stream")
+SCHEMA_KINDS = ("json_schema", "json_schema-stream", "json_object", "json_object-stream")
+KINDS = TOOL_KINDS + SCHEMA_KINDS
+
+Row = ToolRow | SchemaRow
+
+
+@dataclass(frozen=True, slots=True)
+class ConstrainedRows:
+    """The rows the constrained scenario sends (constrained.load_rows)."""
+
+    tools: tuple[ToolRow, ...]
+    schemas: tuple[SchemaRow, ...]
+    bounded: bool = False
+
+    def of_kind(self, kind: str) -> tuple[Row, ...]:
+        if kind in TOOL_KINDS:
+            return self.tools
+        return tuple(r for r in self.schemas if kind.removesuffix("-stream") == r.kind)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(self.of_kind(kind)) for kind in KINDS)
+
+
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties)}
 

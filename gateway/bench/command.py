@@ -21,15 +21,16 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gateway.bench.bfcl import RowsError
+from gateway.bench.bfcl import ConstrainedRows, RowsError
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
-from gateway.bench.constrained import ConstrainedRows, load_rows
-from gateway.bench.fleet import BaselineFleet, FixedBaseline
+from gateway.bench.constrained import load_rows
+from gateway.bench.context import BaselineFleet, Context, Plan, ScenarioResult
+from gateway.bench.fleet import FixedBaseline
 from gateway.bench.floor import FloorProbe, FloorResult, measure_floor
-from gateway.bench.options import ONLY_WHEN_NAMED
+from gateway.bench.names import ONLY_WHEN_NAMED
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
-from gateway.bench.scenarios import SCENARIOS, Context, Plan, ScenarioResult
+from gateway.bench.scenarios import SCENARIOS
 from gateway.bench.server import BaselineSwap, ServerFailed, SpawnedServer
 from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools

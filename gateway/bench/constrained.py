@@ -16,19 +16,23 @@ left out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gateway.bench.bfcl import ANSWER_SYSTEM, SCHEMA_ROWS, SchemaRow, ToolRow, load_tool_rows, quick
+from gateway.bench.bfcl import (
+    ANSWER_SYSTEM,
+    KINDS,
+    SCHEMA_ROWS,
+    ConstrainedRows,
+    Row,
+    SchemaRow,
+    ToolRow,
+    load_tool_rows,
+    quick,
+)
 from gateway.bench.client import ContextTooLong, Sample
+from gateway.bench.context import Context, ScenarioResult
 from gateway.bench.validity import Answer, StreamAssembler, answer_problem, call_problem
 
-if TYPE_CHECKING:  # scenarios imports this module
-    from gateway.bench.scenarios import Context, ScenarioResult
-
-TOOL_KINDS = ("required", "named", "required-stream", "named-stream")
-SCHEMA_KINDS = ("json_schema", "json_schema-stream", "json_object", "json_object-stream")
-KINDS = TOOL_KINDS + SCHEMA_KINDS
 COST_SERIES = {"constrained_tokens": "toolkv_constrained_tokens_total",
                "grammar_s": "toolkv_constraint_seconds_total",
                "decode_steps": "toolkv_decode_steps_total", "decode_s": "toolkv_decode_seconds_total"}
@@ -36,25 +40,6 @@ BOUND_CHARS = 8
 BOUND_ITEMS = 2
 BOUND_RANGE = (0, 99)
 EXCERPT_CHARS = 240  # of an invalid answer, kept in the report
-
-Row = ToolRow | SchemaRow
-
-
-@dataclass(frozen=True, slots=True)
-class ConstrainedRows:
-    tools: tuple[ToolRow, ...]
-    schemas: tuple[SchemaRow, ...]
-    bounded: bool = False
-
-    def of_kind(self, kind: str) -> tuple[Row, ...]:
-        if kind in TOOL_KINDS:
-            return self.tools
-        return tuple(r for r in self.schemas if kind.removesuffix("-stream") == r.kind)
-
-    @property
-    def num_requests(self) -> int:
-        return sum(len(self.of_kind(kind)) for kind in KINDS)
-
 
 def load_rows(*, quick_set: bool, bounded: bool) -> ConstrainedRows:
     """Every row (bfcl.py), or `--quick`'s handful; bounded for random-weight models."""
@@ -128,8 +113,6 @@ def request_body(kind: str, row: Row, *, model: str | None, max_tokens: int, bou
 
 async def run_constrained(ctx: Context) -> ScenarioResult:
     """Each kind over its rows, one request at a time; /metrics read around each kind."""
-    from gateway.bench.scenarios import ScenarioResult
-
     name, rows = "constrained", ctx.rows
     if rows is None:
         return ScenarioResult(name, skipped="no rows loaded")

@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from adapters.base import ToolGroup as PromptGroup
 from adapters.base import ToolSpec
 from gateway.bench.client import BenchClient, Expected, Sample
+from gateway.bench.context import Context, Plan, ScenarioResult
 from gateway.bench.fleet_metrics import (
     ROUTED,
     Metrics,
@@ -43,23 +44,10 @@ from gateway.bench.fleet_metrics import (
 )
 from gateway.bench.server import ServerFailed
 from gateway.bench.workload import ToolGroup, WorkloadError
+from gateway.edge.auth import tenant_salt as key_salt
 from gateway.proxy.routing import AffinityRouter, affinity_key
 
-if TYPE_CHECKING:  # scenarios imports this module
-    from gateway.bench.scenarios import Context, Plan, ScenarioResult
-
 MAX_CANDIDATES = 64  # groups ranked to find the balanced case's even split (each home is a coin toss)
-
-
-class BaselineFleet(Protocol):
-    """A fleet routed round robin for the comparison: `start` gives its base URL, `stop` ends it."""
-
-    @property
-    def description(self) -> str: ...
-
-    async def start(self) -> str: ...
-
-    async def stop(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +71,6 @@ def planned(plan: Plan) -> int:
 
 
 async def run_fleet(ctx: Context) -> ScenarioResult:
-    from gateway.bench.scenarios import ScenarioResult
-
     name, plan = "fleet", ctx.plan
     upstreams = upstreams_of(await ctx.client.metrics())
     if len(upstreams) < 2:
@@ -279,8 +265,4 @@ def group_id(body: dict[str, Any]) -> str:
 
 def tenant_salt(api_key: str | None) -> str:
     """The salt the ingress routes a key's groups by: "" on an open gateway (gateway.edge.auth)."""
-    if api_key is None:
-        return ""
-    from gateway.edge.auth import _salt
-
-    return _salt(api_key.encode())
+    return "" if api_key is None else key_salt(api_key.encode())

@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from gateway.bench.client import Sample
+from gateway.bench.stats import ttft_stats
 
 TARGET_HOT_OVER_BALANCED_P95 = 2.0  # the hot group's hit TTFT p95 at most this times the balanced case's
 
@@ -40,8 +41,6 @@ def _part(samples: list[Sample], part: str) -> list[Sample]:
 
 def sequence_stats(samples: list[Sample], replicas: list[str]) -> dict[str, Any]:
     """One request at a time: hits after each group's first, and who compiled what."""
-    from gateway.bench.report import ttft_stats
-
     after_first = [s for s in samples if s.tags["round"] > 0]
     hits = sum(1 for s in after_first if s.cache == "hit")
     known = all(s.tags.get("compiled_on") is not None for s in samples)
@@ -75,8 +74,6 @@ def _group_stats(own: list[Sample], known: bool) -> dict[str, Any]:
 
 
 def _measured(samples: list[Sample]) -> dict[str, Any]:
-    from gateway.bench.report import ttft_stats
-
     measured = [s for s in samples if s.tags.get("phase") == "measure"]
     return {"n": len(measured), "hits": sum(1 for s in measured if s.cache == "hit"),
             "misses": sum(1 for s in measured if s.cache == "miss"),

@@ -19,6 +19,8 @@ from typing import Any
 
 from gateway.bench.client import BenchClient, Sample
 from gateway.bench.workload import ToolGroup, Workload
+from gateway.metrics import Metrics
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.settings import Settings
 
 
@@ -44,9 +46,9 @@ class FloorProbe:
     """The model in this process (no disk tier), driven on its own engine thread."""
 
     def __init__(self, settings: Settings) -> None:
+        # lazy: the runtime loads torch and transformers, only when the floor runs (not for --no-floor or a peer)
         from transformers.utils import logging as hf_logging
 
-        from gateway.metrics import Metrics
         from gateway.serving.runtime import build_runtime
 
         hf_logging.disable_progress_bar()  # the bench's own progress display owns the terminal
@@ -66,8 +68,6 @@ class FloorProbe:
 
     def prepare(self, body: dict[str, Any]) -> tuple[Any, float]:
         """The engine job the server would build for `body`, and the time that took (ms)."""
-        from gateway.protocol.chat import ChatCompletionRequest
-
         started = time.perf_counter()
         job = self.runtime.service.prepare(ChatCompletionRequest.model_validate({**body, "max_tokens": 1})).job
         return job, _ms_since(started)
@@ -84,7 +84,7 @@ class FloorProbe:
 
     def engine_hit_ms(self, job: Any) -> float:
         """Run the job through the engine's queue; return its own prefill time (a hit)."""
-        from gateway.engine import Failed, Finished, Prefilled
+        from gateway.engine import Failed, Finished, Prefilled  # lazy: the engine package loads torch
 
         events: queue.Queue[Any] = queue.Queue()
         job.emit = events.put

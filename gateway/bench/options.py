@@ -8,12 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gateway.bench.names import SCENARIO_NAMES
 from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJECTORY_TOOLS_FILE
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
-
-SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
-                  "history", "constrained", "fleet")
-ONLY_WHEN_NAMED = ("history", "constrained", "fleet")
 
 
 def register(sub: Any) -> None:
@@ -96,6 +93,7 @@ def register(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        # lazy: command needs the bench extra (httpx, rich, matplotlib); the CLI imports this module for every command
         from gateway.bench.command import run
     except ImportError as exc:
         print(f"toolkv bench needs the bench extra ({exc.name} is missing): pip install 'toolkv[bench]'",

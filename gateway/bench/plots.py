@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from gateway.bench.stats import percentile
 
 COLORS = {"miss": "#d62728", "hit": "#2ca02c", "bypass": "#7f7f7f", "error": "#000000", "floor": "#1f77b4"}
 MODE_COLORS = {"one-group": "#2ca02c", "mixed-groups": "#9467bd"}
@@ -38,8 +41,6 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _figure(width: float, height: float) -> Any:
-    from matplotlib.figure import Figure
-
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
@@ -61,8 +62,6 @@ def _ttft_by_size(report: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
 
 
 def _ttft_vs_tools(report: dict[str, Any], path: Path) -> None:
-    from gateway.bench.report import percentile
-
     fig = _figure(7, 4.5)
     ax = fig.add_subplot()
     series = _ttft_by_size(report)
@@ -112,8 +111,6 @@ def _timeline(report: dict[str, Any], path: Path) -> None:
 
 def _size_ticks(ax: Any, report: dict[str, Any]) -> None:
     """One tick per tool count, labelled with its median prompt length."""
-    from gateway.bench.report import percentile
-
     tokens: dict[int, list[int]] = {}
     for name in SIZE_SCENARIOS:
         for s in report["scenarios"].get(name, {}).get("samples", []):

@@ -7,8 +7,6 @@ and the tables."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from typing import Any
 
 from rich import box
@@ -23,10 +21,11 @@ from gateway.bench.constrained_report import (
     constrained_table,
     constrained_targets,
 )
+from gateway.bench.context import ScenarioResult
 from gateway.bench.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
 from gateway.bench.floor import FloorResult
 from gateway.bench.history_report import history_lines, history_stats, history_target
-from gateway.bench.scenarios import ScenarioResult
+from gateway.bench.stats import ms_spread, percentile, to_ms, ttft_stats
 
 CLASSES = ("miss", "hit", "bypass")
 REPORT_VERSION = 1
@@ -42,32 +41,14 @@ TARGET_COMPILE_OVERLAP_RATIO = 4.0
 TARGET_RSS_GROWTH = 0.05  # soak: RSS from 10% to 100% of the run grows by at most this share
 
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 1)
-
-
-def _spread(values_s: list[float]) -> dict[str, float | None]:
-    return {"p50": _ms(percentile(values_s, 50)), "p95": _ms(percentile(values_s, 95))}
-
-
 def class_stats(samples: list[Sample]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for cls in CLASSES:
         chosen = [s for s in samples if s.cache == cls]
         rates = [r for s in chosen if (r := s.decode_tokens_per_s) is not None]
         out[cls] = {"n": len(chosen),
-                    "ttft_ms": _spread([s.ttft_s for s in chosen if s.ttft_s is not None]),
-                    "total_ms": _spread([s.total_s for s in chosen]),
+                    "ttft_ms": ms_spread([s.ttft_s for s in chosen if s.ttft_s is not None]),
+                    "total_ms": ms_spread([s.total_s for s in chosen]),
                     "decode_tokens_per_s_p50": _round(percentile(rates, 50), 2),
                     "cached_tokens_p50": _round(percentile([s.cached_tokens or 0 for s in chosen], 50), 0),
                     "prompt_tokens_p50": _round(percentile([s.prompt_tokens or 0 for s in chosen], 50), 0)}
@@ -103,7 +84,7 @@ def block(samples: list[Sample], floors: dict[int, FloorResult]) -> dict[str, An
     floor = floors.get(sizes.pop()) if len(sizes) == 1 else None  # a floor is per group size
     if floor is not None and aligned:
         floor_p50 = percentile(floor.floor_ms, 50)
-        hit_p50 = _ms(percentile(aligned, 50))
+        hit_p50 = to_ms(percentile(aligned, 50))
         out["floor_ms_p50"] = _round(floor_p50, 1)
         out["hit_overhead_ms"] = _round(hit_p50 - floor_p50, 1) if hit_p50 is not None and floor_p50 else None
         out["overhead_from"] = "probe"
@@ -137,10 +118,6 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
     return out
 
 
-def ttft_stats(samples: list[Sample]) -> dict[str, float | None]:
-    return _spread([s.ttft_s for s in samples if s.ttft_s is not None])
-
-
 def case_stats(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     """One concurrency case: hit TTFT p50/p95 and aggregate output tokens/s over the case's wall
     time. Tokens are the server's `completion_tokens` (the final usage chunk); a server that sends
@@ -151,7 +128,7 @@ def case_stats(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     rates = [r for s in hits if (r := s.decode_tokens_per_s) is not None]
     return {"n": len(samples), "hits": len(hits), "misses": sum(1 for s in samples if s.cache == "miss"),
             "errors": sum(1 for s in samples if s.cache == "error"),
-            "hit_ttft_ms": ttft_stats(hits), "total_ms": _spread([s.total_s for s in samples]),
+            "hit_ttft_ms": ttft_stats(hits), "total_ms": ms_spread([s.total_s for s in samples]),
             "completion_tokens": tokens, "tokens_from": "usage" if usage else "chunks",
             "tokens_per_s": _round(tokens / wall_s, 2) if wall_s > 0 else None,
             "requests_per_s": _round(len(samples) / wall_s, 3) if wall_s > 0 else None,

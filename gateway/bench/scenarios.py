@@ -1,5 +1,6 @@
-"""The eleven scenarios. Each sends requests through a `Context` and returns a `ScenarioResult`;
-the classes (hit / miss / bypass) come from the server's `cached_tokens`, never from the plan.
+"""The eleven scenarios' registry, and the first seven. Each sends requests through a `Context` and
+returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come from the server's
+`cached_tokens`, never from the plan.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
 2 toolcount        one group per tool count (5/10/20/50), skipping counts beyond the model's context
@@ -9,7 +10,9 @@ the classes (hit / miss / bypass) come from the server's `cached_tokens`, never 
 6 compile-overlap  hits on a warm group alone, then while another group's first request compiles
 7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
 8 agent            tau-bench conversations replayed turn by turn, each turn the whole conversation so far
+                   (conversations.py)
 9 history          a million tokens of synthetic conversations through the KV pool; the server's RSS every 10%
+                   (conversations.py)
 10 constrained     BFCL-style rows with forced calls and structured outputs: validity, and the grammar's cost
                    per token against decode's (constrained.py)
 11 fleet           replicas behind one ingress: interleaved groups, one hot group against balanced ones, and a
@@ -21,108 +24,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
-from gateway.bench.client import BenchClient, ContextTooLong, Expected, Sample
-from gateway.bench.constrained import ConstrainedRows, run_constrained
-from gateway.bench.fleet import BaselineFleet, run_fleet
+from gateway.bench.client import ContextTooLong, Expected, Sample
+from gateway.bench.constrained import run_constrained
+from gateway.bench.context import Context, Plan, ScenarioResult
+from gateway.bench.conversations import run_agent, run_history
 from gateway.bench.fleet import planned as fleet_planned
-from gateway.bench.history import (
-    HistoryChats,
-    approx_prompt_tokens,
-    counters_grown,
-    expected_requests,
-    pool_reading,
-    pool_size,
-)
-from gateway.bench.options import SCENARIO_NAMES
-from gateway.bench.trajectories import Conversation, Trajectories, turn_body
-from gateway.bench.workload import ToolGroup, Workload, WorkloadError
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    tools: int = 20  # tools per group (scenarios 1, 3, 4, 5)
-    tool_counts: tuple[int, ...] = (5, 10, 20, 50)
-    hits_per_count: int = 2
-    requests: int = 8  # hits on the main group of scenario 1
-    misses: int = 3
-    bypass: int = 3
-    groups: int = 3
-    rounds: int = 3
-    clients: tuple[int, ...] = (1, 4, 8)  # one case per count, on one group and on mixed groups
-    requests_per_client: int = 2
-    mixed_groups: int = 4  # groups the mixed-group cases spread their clients over
-    concurrent_max_tokens: int = 32  # long enough answers for output tokens/s to mean something
-    compile_tools: int = 20  # the group that compiles during the hits (20 tools: ~3,000 tokens)
-    alone_hits: int = 3  # compile-overlap: hits timed with nothing else running
-    max_hits_during_compile: int = 50
-    soak_requests: int = 1000
-    soak_groups: int = 8
-    soak_tools: int = 5  # small groups: the soak measures memory over many requests, not prefill
-    soak_clients: int = 4
-    conversations: int = 1  # agent: tau-bench conversations replayed, in (task, trial) order
-    agent_max_tokens: int = 16
-    agent_turns: int = 0  # requests the agent scenario sends: its conversations' turns, once loaded
-    history_tokens: int = 1_000_000  # history: prompt tokens to send, over all conversations
-    history_window: int = 16  # conversations live at once
-    history_turns: int = 8  # turns per conversation (~3,500 prompt tokens at the last with 5 tools)
-    history_words: int = 300  # words per user message (~310 tokens)
-    history_tools: int = 5
-    history_max_tokens: int = 4
-    constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
-    constrained_requests: int = 0  # requests the constrained scenario sends, once its rows are loaded
-    fleet_groups: int = 4  # fleet: groups interleaved, one request at a time
-    fleet_rounds: int = 5
-    fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
-    fleet_requests_per_client: int = 3  # measured, after a warming round
-
-    @classmethod
-    def quick(cls, tools: int = 10) -> Plan:
-        return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
-                   groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
-                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
-                   history_tokens=100_000, fleet_requests_per_client=2)
-
-
-class Restartable(Protocol):
-    async def restart(self) -> str:
-        """Stop the server and start it again on the same cache dir; return the new base URL."""
-
-
-@dataclass(slots=True)
-class Context:
-    client: BenchClient
-    workload: Workload
-    plan: Plan
-    server: Restartable | None
-    on_sample: Callable[[Sample], None]
-    on_skip: Callable[[int], None]  # planned requests that will not be sent
-    trajectories: Trajectories | None = None  # the agent scenario's conversations
-    rows: ConstrainedRows | None = None  # the constrained scenario's rows
-    baseline: BaselineFleet | None = None  # the fleet scenario's round-robin fleet
-
-    async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
-                   max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
-                   **tags: Any) -> Sample:
-        sample = Sample(scenario, group.label, group.num_tools, group.offset, expected, bypass, 0.0, tags=tags)
-        return await self.send_body(sample, self.workload.body(group, max_tokens, talk=talk), on_sent)
-
-    async def send_body(self, sample: Sample, body: dict[str, Any],
-                        on_sent: Callable[[], None] | None = None) -> Sample:
-        await self.client.chat(body, sample, on_sent)
-        self.on_sample(sample)
-        return sample
-
-
-@dataclass(slots=True)
-class ScenarioResult:
-    name: str
-    samples: list[Sample] = field(default_factory=list)
-    skipped: str | None = None  # why the whole scenario did not run
-    notes: list[str] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
+from gateway.bench.fleet import run_fleet
+from gateway.bench.history import expected_requests
+from gateway.bench.names import SCENARIO_NAMES
+from gateway.bench.workload import ToolGroup, WorkloadError
 
 
 async def run_single(ctx: Context) -> ScenarioResult:
@@ -315,102 +227,6 @@ async def run_soak(ctx: Context) -> ScenarioResult:
     if not rss:
         result.notes.append("the server exports no process_resident_memory_bytes: RSS not measured")
     return result
-
-
-async def run_agent(ctx: Context) -> ScenarioResult:
-    """Each conversation's turns in order, one request each with the whole conversation so far (the
-    rows and the summary are computed in agent_report)."""
-    name = "agent"
-    if ctx.trajectories is None:
-        return ScenarioResult(name, skipped="no trajectories loaded")
-    result = ScenarioResult(name, details={"conversations": len(ctx.trajectories.conversations),
-                                           "max_tokens": ctx.plan.agent_max_tokens})
-    for conversation in ctx.trajectories.conversations:
-        await _replay(ctx, conversation, ctx.trajectories.tools, result)
-    answered = [s for s in result.samples if s.error is None]
-    if answered and all(s.prompt_tokens is None for s in answered):
-        result.notes.append("the server sent no usage in its stream: prompt, cached and computed tokens unknown, "
-                            "only TTFT measured (the same turns sent to toolkv give the token counts)")
-    elif answered and all(s.cached_tokens is None for s in answered):
-        result.notes.append("the server reports no usage.prompt_tokens_details.cached_tokens: computed tokens unknown")
-    return result
-
-
-async def _replay(ctx: Context, conversation: Conversation, tools: tuple[dict[str, Any], ...],
-                  result: ScenarioResult) -> None:
-    """One request per turn; a turn beyond the model's context ends its conversation."""
-    for position, turn in enumerate(conversation.turns):
-        sample = Sample(result.name, conversation.label, len(tools), 0, "any", False, 0.0,
-                        tags={"task_id": conversation.task_id, "trial": conversation.trial, "turn": turn.index})
-        try:
-            await ctx.send_body(sample, turn_body(turn, tools, ctx.workload, ctx.plan.agent_max_tokens))
-        except ContextTooLong as exc:
-            left = len(conversation.turns) - position
-            result.notes.append(f"{conversation.label}: turn {turn.index} and the {left - 1} after it skipped, "
-                                f"beyond the model's context ({exc})")
-            ctx.on_skip(left)
-            return
-        result.samples.append(sample)
-
-
-async def run_history(ctx: Context) -> ScenarioResult:
-    """Distinct synthetic conversations on one tool group (history.HistoryChats: `history_window`
-    live at once, each request a turn of one picked at random), until the prompt tokens sent reach
-    `history_tokens`. After every tenth of them the server's /metrics is read: RSS, conversation
-    records, KV blocks. The KV pool is allocated up front and every record lives in it, so once the
-    pool is warm RSS stays flat however much history goes through; records are evicted instead."""
-    name, plan = "history", ctx.plan
-    group = ctx.workload.group("history", plan.history_tools)
-    chats = HistoryChats(ctx.workload.run_id, window=plan.history_window, turns=plan.history_turns,
-                         words=plan.history_words)
-    result = ScenarioResult(name)
-    before = await ctx.client.metrics()
-    readings: list[dict[str, Any]] = []
-    sent = estimated = cut = 0
-    while sent < plan.history_tokens:
-        chat = chats.next_turn()
-        body = ctx.workload.chat_body(group, chat.messages, plan.history_max_tokens)
-        sample = Sample(name, group.label, group.num_tools, 0, "any", False, 0.0,
-                        tags={"conversation": chat.number, "turn": chat.turn})
-        try:
-            await ctx.send_body(sample, body)
-        except ContextTooLong as exc:
-            if chat.turn == 1:
-                return ScenarioResult(name, skipped=f"a conversation's first turn exceeds the model's context: {exc}")
-            chats.end(chat)
-            cut += 1
-            continue
-        result.samples.append(sample)
-        estimated += sample.prompt_tokens is None and sample.error is None  # a server that sends no usage
-        sent += approx_prompt_tokens(body) if sample.prompt_tokens is None else sample.prompt_tokens
-        while len(readings) < 10 and sent * 10 >= plan.history_tokens * (len(readings) + 1):
-            readings.append(await pool_reading(ctx.client, tokens=sent, requests=len(result.samples)))
-    result.details.update(_history_details(plan, result.samples, sent, readings))
-    result.details.update(counters_grown(before, await ctx.client.metrics()), pool=await pool_size(ctx.client))
-    result.notes += _history_notes(result.details, estimated, cut)
-    return result
-
-
-def _history_details(plan: Plan, samples: list[Sample], sent: int, readings: list[dict[str, Any]]) -> dict[str, Any]:
-    rss = [r["rss_mb"] for r in readings if r["rss_mb"] is not None]
-    return {"history_tokens": plan.history_tokens, "tokens_sent": sent,
-            "conversations": len({s.tags["conversation"] for s in samples}),
-            "window": plan.history_window, "turns": plan.history_turns, "words": plan.history_words,
-            "tools": plan.history_tools, "max_tokens": plan.history_max_tokens, "readings": readings,
-            "rss_first_mb": rss[0] if rss else None, "rss_last_mb": rss[-1] if rss else None,
-            "rss_growth_mb": round(rss[-1] - rss[0], 1) if len(rss) >= 2 else None,
-            "conversation_records": readings[-1]["conversation_records"] if readings else None}
-
-
-def _history_notes(details: dict[str, Any], estimated: int, cut: int) -> list[str]:
-    notes = []
-    if cut:
-        notes.append(f"{cut} conversations ended early: a turn exceeded the model's context (lower --history-turns)")
-    if estimated:
-        notes.append(f"{estimated} responses had no usage: their prompt tokens are estimated (~4 characters a token)")
-    if details["rss_first_mb"] is None:
-        notes.append("the server exports no process_resident_memory_bytes: RSS not measured")
-    return notes
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

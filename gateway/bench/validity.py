@@ -136,6 +136,7 @@ def answer_problem(answer: Answer, schema: dict[str, Any] | None) -> str | None:
 
 def schema_problem(instance: Any, schema: dict[str, Any]) -> str | None:
     """The most relevant error of `instance` against `schema` (its own draft, else 2020-12)."""
+    # lazy: jsonschema is not in the bench extra; only the constrained scenario's answers are checked with it
     from jsonschema import Draft202012Validator, exceptions, validators  # type: ignore[import-untyped]
 
     validator = validators.validator_for(schema, default=Draft202012Validator)(schema)

@@ -113,6 +113,11 @@ def _salt(key: bytes) -> str:
     return hashlib.sha256(b"toolkv-tenant\x00" + key).hexdigest()[:32]
 
 
+def tenant_salt(key: bytes) -> str:
+    """The cache salt of the tenant of API key `key` (what the ingress routes its groups by)."""
+    return _salt(key)
+
+
 def _proxied_salt(proxy_salt: str, named: str) -> str:
     """The namespace of tenant `named` behind the proxy whose own salt is `proxy_salt`: a distinct
     domain from `_salt`, so it never equals a direct key's namespace."""

@@ -1,0 +1,111 @@
+"""What a scenario is given and gives back: the `Plan` (how many of everything), the `Context`
+(client, workload, the loaded trajectories, rows and baseline fleet, callbacks) and the
+`ScenarioResult`. The scenario modules (scenarios, conversations, constrained, fleet) import this
+one; it imports none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.bench.bfcl import ConstrainedRows
+from gateway.bench.client import BenchClient, Expected, Sample
+from gateway.bench.trajectories import Trajectories
+from gateway.bench.workload import ToolGroup, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    tools: int = 20  # tools per group (scenarios 1, 3, 4, 5)
+    tool_counts: tuple[int, ...] = (5, 10, 20, 50)
+    hits_per_count: int = 2
+    requests: int = 8  # hits on the main group of scenario 1
+    misses: int = 3
+    bypass: int = 3
+    groups: int = 3
+    rounds: int = 3
+    clients: tuple[int, ...] = (1, 4, 8)  # one case per count, on one group and on mixed groups
+    requests_per_client: int = 2
+    mixed_groups: int = 4  # groups the mixed-group cases spread their clients over
+    concurrent_max_tokens: int = 32  # long enough answers for output tokens/s to mean something
+    compile_tools: int = 20  # the group that compiles during the hits (20 tools: ~3,000 tokens)
+    alone_hits: int = 3  # compile-overlap: hits timed with nothing else running
+    max_hits_during_compile: int = 50
+    soak_requests: int = 1000
+    soak_groups: int = 8
+    soak_tools: int = 5  # small groups: the soak measures memory over many requests, not prefill
+    soak_clients: int = 4
+    conversations: int = 1  # agent: tau-bench conversations replayed, in (task, trial) order
+    agent_max_tokens: int = 16
+    agent_turns: int = 0  # requests the agent scenario sends: its conversations' turns, once loaded
+    history_tokens: int = 1_000_000  # history: prompt tokens to send, over all conversations
+    history_window: int = 16  # conversations live at once
+    history_turns: int = 8  # turns per conversation (~3,500 prompt tokens at the last with 5 tools)
+    history_words: int = 300  # words per user message (~310 tokens)
+    history_tools: int = 5
+    history_max_tokens: int = 4
+    constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
+    constrained_requests: int = 0  # requests the constrained scenario sends, once its rows are loaded
+    fleet_groups: int = 4  # fleet: groups interleaved, one request at a time
+    fleet_rounds: int = 5
+    fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
+    fleet_requests_per_client: int = 3  # measured, after a warming round
+
+    @classmethod
+    def quick(cls, tools: int = 10) -> Plan:
+        return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=1,
+                   groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
+                   concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
+                   history_tokens=100_000, fleet_requests_per_client=2)
+
+
+class Restartable(Protocol):
+    async def restart(self) -> str:
+        """Stop the server and start it again on the same cache dir; return the new base URL."""
+
+
+class BaselineFleet(Protocol):
+    """A fleet routed round robin for the comparison: `start` gives its base URL, `stop` ends it."""
+
+    @property
+    def description(self) -> str: ...
+
+    async def start(self) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Context:
+    client: BenchClient
+    workload: Workload
+    plan: Plan
+    server: Restartable | None
+    on_sample: Callable[[Sample], None]
+    on_skip: Callable[[int], None]  # planned requests that will not be sent
+    trajectories: Trajectories | None = None  # the agent scenario's conversations
+    rows: ConstrainedRows | None = None  # the constrained scenario's rows
+    baseline: BaselineFleet | None = None  # the fleet scenario's round-robin fleet
+
+    async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
+                   max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,
+                   **tags: Any) -> Sample:
+        sample = Sample(scenario, group.label, group.num_tools, group.offset, expected, bypass, 0.0, tags=tags)
+        return await self.send_body(sample, self.workload.body(group, max_tokens, talk=talk), on_sent)
+
+    async def send_body(self, sample: Sample, body: dict[str, Any],
+                        on_sent: Callable[[], None] | None = None) -> Sample:
+        await self.client.chat(body, sample, on_sent)
+        self.on_sample(sample)
+        return sample
+
+
+@dataclass(slots=True)
+class ScenarioResult:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+    skipped: str | None = None  # why the whole scenario did not run
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,31 @@
+"""Percentiles and millisecond spreads, shared by the report modules and the plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gateway.bench.client import Sample
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def to_ms(value_s: float | None) -> float | None:
+    return None if value_s is None else round(value_s * 1000, 1)
+
+
+def ms_spread(values_s: list[float]) -> dict[str, float | None]:
+    """p50 and p95 of durations in seconds, in ms."""
+    return {"p50": to_ms(percentile(values_s, 50)), "p95": to_ms(percentile(values_s, 95))}
+
+
+def ttft_stats(samples: list[Sample]) -> dict[str, float | None]:
+    return ms_spread([s.ttft_s for s in samples if s.ttft_s is not None])
