@@ -132,9 +132,10 @@ class Settings(BaseSettings):
     gguf_file: str | None = Field(None, description="the file inside the model directory when it holds GGUF files")
     revision: str | None = Field(None, description="a hub model's branch, tag or commit")
     device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="where the model runs (auto: CUDA when "
-                                                                             "available, else MPS, else the CPU)")
+                                                                             "available, else the CPU)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the model's weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
+        "auto", description="the model's weights and activations (auto: float32 on the CPU, bfloat16 on CUDA, "
+                            "float16 where CUDA has no bfloat16)")
     quantization: Literal["none", "4bit"] = Field("none", description="4bit: weights in 4 bits (CUDA, bitsandbytes)")
     adapter: Literal["auto", "chatml", "llama3", "mistral"] = Field(
         "auto", description="the chat template family for tool calls (auto: detected from the model)")
