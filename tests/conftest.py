@@ -59,3 +59,21 @@ def openai_schema() -> Callable[[str, Any], None]:
         Draft202012Validator(schema).validate(instance)
 
     return validate
+
+
+# Markers by where a test lives (pyproject.toml lists them): `pytest -m "not slow"` is the fast
+# subset (pure functions: seconds), `-m "not browser and not ray"` skips what needs Chromium or Ray.
+_FAST_DIRS = {"unit"}
+_BROWSER_FILES = {"test_dashboard_browser.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent
+    for item in items:
+        parts = item.path.resolve().relative_to(root).parts
+        if parts[0] not in _FAST_DIRS:
+            item.add_marker(pytest.mark.slow)
+        if parts[0] == "ray":
+            item.add_marker(pytest.mark.ray)
+        if item.path.name in _BROWSER_FILES:
+            item.add_marker(pytest.mark.browser)
