@@ -88,7 +88,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     max_batch=plan.max_batch, turn_opening=opening,
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
                     batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs)
-    service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, loaded.context_len, metrics,
+    context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
+    service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
                           reserve_tokens=settings.constrained_reserve_tokens)
