@@ -24,6 +24,7 @@ from gateway.edge.server import server_config
 from gateway.proxy.app import create_proxy_app
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings
+from tests.proxy.fake_upstream import Arrivals, FakeUpstream
 from tests.support.server import free_port, wait_until_ready
 
 MODEL = "tiny-llama"
@@ -92,6 +93,21 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     wanted = [f'{key}="{value}"' for key, value in labels.items()]
     return sum(value for key, value in samples.items()
                if key.split("{")[0] == name and all(w in key for w in wanted))
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[Arrivals, list[Any]]]:
+    """Two scripted upstreams, `a` and `b`, recording into one Arrivals."""
+    arrivals = Arrivals()
+    upstreams = [FakeUpstream(name, arrivals) for name in ("a", "b")]
+    with ExitStack() as stack:
+        for fake in upstreams:
+            fake.base_url = stack.enter_context(running(fake.app)).base_url
+        yield arrivals, upstreams
+        for fake in upstreams:  # whatever a test left held goes on, so the servers can stop
+            if fake.hold is not None:
+                fake.hold.set()
+            fake.comments_after = None  # and a stream of comments ends
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socketserver
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -59,10 +60,12 @@ class FakeUpstream:
     ping_first: bool = False  # stream: a keep-alive comment before the first event
     like_llama_cpp_python: bool = False  # /health is a 404; a bare 400 unless X-Request-Id is a UUID
     tenant_salt: bool = True  # /version says it takes X-Toolkv-Tenant (as a toolkv that trusts the proxy)
+    vllm_version: str | None = None  # /version says this vLLM version, and its models are owned by vllm
+    models_status: int = 200  # /v1/models answers this (503: as a toolkv still loading its model)
     extra_headers: dict[str, str] = field(default_factory=dict)  # on every chat answer
     padding: int = 0  # bytes of padding in an answer's content (whole) or its one content event (stream)
     gzipped: bool = False  # a whole answer compressed (Content-Encoding: gzip) whatever was asked
-    comments_only: bool = False  # a stream of keep-alive comments and nothing else, until the client leaves
+    comments_after: int | None = None  # stream: this many events, then keep-alive comments until the client leaves
     app: FastAPI = field(init=False)
     base_url: str = field(init=False, default="")  # set once it runs
 
@@ -82,11 +85,17 @@ class FakeUpstream:
     async def _version(self) -> JSONResponse:
         if self.like_llama_cpp_python:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
+        if self.vllm_version is not None:
+            return JSONResponse({"version": self.vllm_version})
         return JSONResponse({"version": "0.1.0", "tenant_salt": self.tenant_salt})
 
     async def _models(self) -> JSONResponse:
+        if self.models_status != 200:
+            return JSONResponse({"error": {"message": "not now", "type": "fake", "param": None, "code": None}},
+                                status_code=self.models_status)
+        owner = "vllm" if self.vllm_version is not None else "fake"
         return JSONResponse({"object": "list", "data": [{"id": f"model-{self.name}", "object": "model",
-                                                         "created": 0, "owned_by": "fake"}]})
+                                                         "created": 0, "owned_by": owner}]})
 
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
@@ -118,12 +127,12 @@ class FakeUpstream:
     async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         if self.ping_first:
             yield b": ping\n\n"
-        while self.comments_only:
-            yield b": still here\n\n"
-            await asyncio.sleep(0.02)
         for sent, chunk in enumerate(self.chunks(body)):
             if sent == self.break_after:
                 raise RuntimeError("the fake upstream drops the connection mid-stream")
+            while sent == self.comments_after:
+                yield b": still here\n\n"
+                await asyncio.sleep(0.02)
             yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -142,3 +151,40 @@ class FakeUpstream:
     def _usage(self) -> dict[str, Any]:
         return {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class RawUpstream:
+    """An upstream that answers every POST with `answer`, bytes as they are on the wire (a status
+    line no HTTP server library would write), and GET /health with a plain ok."""
+
+    HEALTH = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{"status":"ok"}'
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> RawUpstream:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self) -> type[socketserver.StreamRequestHandler]:
+        upstream = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                head = b""
+                while not head.endswith(b"\r\n\r\n") and (line := self.rfile.readline()):
+                    head += line
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.rfile.read(length)
+                self.wfile.write(upstream.answer if head.startswith(b"POST") else upstream.HEALTH)
+
+        return Handler

@@ -8,9 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -35,19 +33,6 @@ from tests.proxy.fake_upstream import Arrivals, FakeUpstream
 TOOLS = tools_of([("alpha", 5), ("bravo", 30), ("charlie", 15)])
 CANONICAL = ["bravo", "charlie", "alpha"]  # largest schema first
 SYSTEM = "You are scripted."
-
-
-@pytest.fixture
-def fakes() -> Iterator[tuple[Arrivals, list[Any]]]:
-    arrivals = Arrivals()
-    upstreams = [FakeUpstream(name, arrivals) for name in ("a", "b")]
-    with ExitStack() as stack:
-        for fake in upstreams:
-            fake.base_url = stack.enter_context(running(fake.app)).base_url
-        yield arrivals, upstreams
-        for fake in upstreams:  # whatever a test left held goes on, so the servers can stop
-            if fake.hold is not None:
-                fake.hold.set()
 
 
 def body(**extra: Any) -> dict[str, Any]:
