@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from gateway.api.app import create_app
@@ -104,6 +105,19 @@ def test_a_direct_clients_cache_salt_or_tenant_header_reaches_no_one_elses_names
                        headers={"authorization": f"Bearer {KEY_B}", "x-toolkv-tenant": _salt(KEY_A.encode())})
     assert named.status_code == 403 and named.json()["error"]["code"] == "tenant_not_trusted"
     assert cached(proxied, body(tools, "Balance?"), KEY_B) == 0
+
+
+def test_a_tenants_stored_responses_live_in_its_namespace_on_the_upstream(upstream, proxied):
+    client_a = openai.OpenAI(base_url=proxied.api_url, api_key=KEY_A, max_retries=0, timeout=120)
+    opening = client_a.responses.create(model="tiny", instructions="You keep notes.", input="Remember: blue.",
+                                        max_output_tokens=2, temperature=0)
+    follow_up = client_a.responses.create(model="tiny", input="The colour?", previous_response_id=opening.id,
+                                          max_output_tokens=2, temperature=0)
+    assert client_a.responses.retrieve(follow_up.id).id == follow_up.id  # asked of the upstream as A
+    for key in (PROXY_KEY, DIRECT_KEY):  # on the upstream it is A's alone, not the proxy key's
+        resp = httpx.get(f"{upstream.api_url}/responses/{opening.id}", timeout=30,
+                         headers={"authorization": f"Bearer {key}"})
+        assert resp.status_code == 404
 
 
 def test_the_upstream_says_it_takes_the_tenant_header(upstream):
