@@ -288,20 +288,31 @@ class Constraint:
     closers: tuple[torch.Tensor, ...] = ()
     generated: int = 0
     _bitmask: torch.Tensor | None = None
+    _ready: bool = False  # the bitmask is the grammar's for the next token (prepare ran since the last token)
 
     def consume(self, tokens: list[int]) -> None:
+        self._ready = False
         if not self.matcher.consume_tokens(tokens) or self.matcher.is_error():
             raise ConstraintViolation(f"the grammar refused the forced tokens: {_first_line(self.matcher)}")
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` ([vocab]) with every token the grammar does not allow next at -inf (a copy)."""
-        import llguidance.torch as llt
+    def prepare(self) -> None:
+        """Compute which tokens the grammar allows next (the CPU's part of masking). The engine
+        calls it after launching a step's forward, so on a GPU it runs while the device computes
+        the logits; `mask` then only applies it."""
+        import llguidance.torch as llt  # lazy: llguidance's torch helpers load with the first grammar
 
         if self._bitmask is None:
             self._bitmask = llt.allocate_token_bitmask(1, self.vocab_size)
         llt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         if self.matcher.is_error():
             raise ConstraintViolation(_first_line(self.matcher))
+        self._ready = True
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` ([vocab]) with every token the grammar does not allow next at -inf (a copy)."""
+        if not self._ready:
+            self.prepare()
+        self._ready = False
         masked = self._apply(logits.float().cpu().reshape(1, -1).clone())
         if not torch.isfinite(masked.max()):  # the model ruled out every allowed token (-inf logits):
             masked = self._apply(torch.zeros_like(masked))  # the grammar's choice, not an arbitrary one
@@ -332,6 +343,7 @@ class Constraint:
         return logits
 
     def accept(self, token: int) -> None:
+        self._ready = False
         self.generated += 1
         if not self.matcher.consume_token(token):
             raise ConstraintViolation(f"the grammar refused token {token}: {_first_line(self.matcher)}")

@@ -270,6 +270,13 @@ class Engine:
             for seq in seqs:
                 self._fail(seq, exc)
             return
+        # While the device computes (kernel launches return at once on CUDA), the CPU computes the
+        # grammar masks of the rows sampled from these logits.
+        sampled = [*plan.decode, *(seq for seq, _, end in plan.prefill
+                                   if seq.phase is Phase.PROMPT and end == len(seq.prompt))]
+        for seq in sampled:
+            if seq.sampler.constraint is not None:
+                seq.sampler.prepare_mask()
         decoded = len(plan.decode)
         for index, (seq, _, end) in enumerate(plan.prefill):
             self._chunk_done(seq, end, logits[decoded + index], started)

@@ -78,6 +78,7 @@ class Sampler:
         self.params = params
         self.constraint = constraint
         self.constraint_s = 0.0  # the grammar's time (mask + follow) for the last token
+        self._prepare_s = 0.0
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -113,8 +114,22 @@ class Sampler:
         token = self._choose(logits)
         accepting = time.perf_counter()
         self.constraint.accept(token)
-        self.constraint_s = (masked - started) + (time.perf_counter() - accepting)  # the grammar's own cost
+        # the grammar's own cost: its mask (computed ahead, in `prepare_mask`, or here) and following the token
+        self.constraint_s = self._prepare_s + (masked - started) + (time.perf_counter() - accepting)
+        self._prepare_s = 0.0
         return token
+
+    def prepare_mask(self) -> None:
+        """Compute the grammar's mask for the next token ahead of the logits (the engine calls it
+        while the device runs the forward). A grammar error is left for `next_token` to raise."""
+        if self.constraint is None:
+            return
+        started = time.perf_counter()
+        try:
+            self.constraint.prepare()
+        except Exception:  # raised again, where a failure belongs, when the token is chosen
+            pass
+        self._prepare_s += time.perf_counter() - started
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` with the request's logit_bias and penalties (a copy; the same tensor if none)."""
