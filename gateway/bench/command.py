@@ -238,7 +238,7 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:
     """Settings for the in-process model, or None when it would not be the server's model."""
-    from gateway.engine.model_loader import resolve_source
+    from gateway.engine.model_loader import resolve_source  # lazy: the engine package loads torch
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     model = args.floor_model or (args.model if args.spawn else None)

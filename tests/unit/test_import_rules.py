@@ -165,7 +165,7 @@ def test_an_import_inside_a_function_says_why() -> None:
             if not path.is_file():
                 path = ROOT / imp.source.replace(".", "/") / "__init__.py"
             lines = path.read_text().splitlines()
-            window = " ".join(lines[max(0, imp.line - 2): imp.line + 1])  # the line, or a comment just above
+            window = " ".join(lines[max(0, imp.line - 5): imp.line + 1])  # the line, or a comment above the imports
             if "# lazy:" not in window:
                 unexplained.append(f"{imp.source}:{imp.line} imports {imp.target}")
     assert not unexplained, unexplained
