@@ -220,6 +220,11 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
         exchange.finish(CLIENT_CLOSED_REQUEST)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if isinstance(result, Answer):
+        if safety.required and result.status == 403 and b'"tenant_not_trusted"' in result.content:
+            # restarted without this proxy's key in trusted_proxy_keys: no more requests until it has it again
+            safety.note(result.upstream, tenancy.Check("refused", "it answered tenant_not_trusted"))
+            exchange.finish(502)
+            raise BadGateway("an upstream no longer takes this proxy's tenants; it gets no requests until it does")
         if result.status == 200:
             exchange.usage = answer_usage(fwd.kind, result)
             if fwd.kind == "responses" and (response_id := answer_response_id(result.content)):

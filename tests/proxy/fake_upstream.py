@@ -54,6 +54,7 @@ class FakeUpstream:
     name: str
     arrivals: Arrivals
     status: int = 200
+    error_code: str | None = None  # the `code` of the error envelope a status other than 200 comes with
     cached_tokens: int = 0
     hold: threading.Event | None = None  # when set: every request waits for it
     break_after: int | None = None  # stream: this many events, then the connection drops
@@ -109,7 +110,7 @@ class FakeUpstream:
             assert await asyncio.to_thread(self.hold.wait, HOLD_LIMIT_S), "the test never released the hold"
         if self.status != 200:
             return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "fake",
-                                           "param": None, "code": None}}, status_code=self.status)
+                                           "param": None, "code": self.error_code}}, status_code=self.status)
         if body.get("stream"):
             return StreamingResponse(self._events(body), media_type="text/event-stream", headers=self.extra_headers)
         answer = orjson.dumps({"id": f"chatcmpl-{self.name}", "object": "chat.completion", "created": 0,

@@ -92,3 +92,22 @@ def test_no_upstream_known_to_keep_tenants_apart_is_a_503(fakes):
         resp = post(live, body())
         assert resp.status_code == 503 and "keep tenants apart" in resp.json()["error"]["message"]
         assert not arrivals.seen
+
+
+def test_an_upstream_that_stops_trusting_the_proxy_gets_no_more_requests(fakes):
+    arrivals, upstreams = fakes
+    distrustful, other = upstreams
+    system = next(s for n in range(64)
+                  if home_of(upstreams, s := f"System {n}.", TOOLS, _salt(b"key-a")) is distrustful)
+    with proxy(upstreams, **TENANT) as live:
+        assert post(live, body(system)).status_code == 200
+        assert arrivals.seen[-1].upstream == distrustful.name
+        # restarted without the proxy's key in trusted_proxy_keys: it refuses the tenant header
+        distrustful.status, distrustful.error_code, distrustful.models_status = 403, "tenant_not_trusted", 403
+        refused = post(live, body(system))
+        assert refused.status_code == 502
+        assert "no longer takes this proxy's tenants" in refused.json()["error"]["message"]
+        assert post(live, body(system)).status_code == 200
+        assert arrivals.seen[-1].upstream == other.name
+        health = httpx.get(live.base_url + "/health", timeout=30).json()  # checked again: still refused
+        assert [u["tenants_apart"] for u in health["upstreams"]] == [False, True]
