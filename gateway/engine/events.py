@@ -65,6 +65,7 @@ class Job:
     tenant: str = ""  # the tenant's own namespace: conversation KV is never shared between tenants
     group_id: str = ""
     tool_names: tuple[str, ...] = ()
+    retention_s: float = 0.0  # keep the tool group cached at least this long (prompt_cache_retention); 0: LRU
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
     constraint: Constraint | None = None  # the grammar its output follows (constraints.py)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -24,6 +24,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+PROMPT_CACHE_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
 MAX_TOKEN_ID_DIGITS = 20  # no vocabulary is near 10**20 tokens; longer keys would not even parse as an int
 
 
@@ -208,6 +209,8 @@ class ChatCompletionRequest(_Lenient):
     response_format: ResponseFormat | None = None
     n: int | None = None
     prompt_cache_key: str | None = None
+    # "24h": the tool group stays cached at least a day (not evicted by LRU); "in_memory": plain LRU
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -297,6 +300,11 @@ class ChatCompletionRequest(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def retention_s(self) -> float:
+        """How long the tool group is kept at least (0: LRU alone decides)."""
+        return PROMPT_CACHE_RETENTION_S if self.prompt_cache_retention == "24h" else 0.0
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required"]:

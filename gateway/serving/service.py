@@ -116,7 +116,7 @@ class ChatService:
                                                                           forced_ids, params.max_tokens)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
-                  tool_names=rendered.group.tool_names,
+                  tool_names=rendered.group.tool_names, retention_s=req.retention_s,
                   keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint)
         commit()  # accepted: only now may its tokenized head be remembered
         return Prepared(job=job, model_name=self.model_name,
