@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     ram_budget_bytes: Bytes = Field(2 * 1024**3, ge=0, description="the KV block pool: running requests and cached "
                                                                     "groups")
     disk_budget_bytes: Bytes = Field(20 * 1024**3, ge=0, description="the disk tier's size (0: no disk tier)")
+    pinned_budget_bytes: Bytes = Field(1024**3, ge=0, description="the most bytes of cached groups that may be "
+                                                                  "pinned (never evicted); keep it well below "
+                                                                  "ram_budget_bytes (0: no pinning)")
     min_prefix_tokens: int = Field(64, ge=1, description="the shortest tool-group prefix worth caching, in tokens")
 
     # limits on input
