@@ -58,6 +58,7 @@ class Metrics:
                                          buckets=FAST_BUCKETS, registry=r)
         self.cache_entries = Gauge("toolkv_cache_entries", "Entries per cache tier", ["tier"], registry=r)
         self.cache_bytes = Gauge("toolkv_cache_bytes", "Bytes per cache tier", ["tier"], registry=r)
+        self.cache_pinned_bytes = Gauge("toolkv_cache_pinned_bytes", "Bytes of pinned cache entries", registry=r)
         self.evictions = Counter("toolkv_cache_evictions_total", "Entries evicted per tier",
                                  ["tier"], registry=r)
         self.cache_errors = Counter("toolkv_cache_errors_total",
