@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from gateway.api import cache_routes, dashboard
 from gateway.api import completions as completions_api
+from gateway.api import messages as messages_api
 from gateway.api.completions import CompletionRequest
 from gateway.api.generation import (
     CLIENT_CLOSED_REQUEST,
@@ -90,6 +91,7 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     app.include_router(cache_routes.router)
     responses_api.install(app)
     app.include_router(completions_api.router)
+    app.include_router(messages_api.router)
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app

@@ -73,7 +73,7 @@ class KeyRing:
             return OPEN
         sent = _bearer(request)
         if sent is None:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         if any(hmac.compare_digest(sent, key) for key in self.proxy_keys):
             return Tenant(salt=_salt(sent), admin=False)
         if self.admin_key is not None and hmac.compare_digest(sent, self.admin_key):
@@ -97,11 +97,12 @@ class KeyRing:
 
 
 def _bearer(request: Request) -> bytes | None:
+    """The key sent as `Authorization: Bearer <key>`, or else as `x-api-key` (Anthropic's way)."""
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
-        return None
-    return value.strip().encode()
+        value = request.headers.get("x-api-key", "")
+    return value.strip().encode() or None
 
 
 def _not_a_proxy() -> Forbidden:

@@ -1,6 +1,7 @@
 """The HTTP pieces every toolkv app shares, the model's and the proxy's: the exception handlers
-that render the OpenAI error envelope, reading a JSON body, and noticing a client that hangs up.
-Nothing here imports the engine (proxy mode runs without torch)."""
+that render the OpenAI error envelope (Anthropic's on the Messages API's paths), reading a JSON
+body, and noticing a client that hangs up. Nothing here imports the engine (proxy mode runs
+without torch)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from gateway.edge.admission import disconnected
 from gateway.edge.limits import check_json_depth
 from gateway.errors import APIError, BadRequest, error_envelope
 from gateway.protocol.chat import UnsupportedField
+from gateway.protocol.messages import error_body as anthropic_error
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages"})
+MESSAGES_PATH = "/v1/messages"  # and what is under it: errors in Anthropic's envelope
 GONE: Any = object()  # the client hung up
 T = TypeVar("T")
 
@@ -39,18 +42,18 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code >= 500:
             log.warning("request failed: %s", exc.message, extra={"toolkv": {
                 "request_id": _request_id(request), "status": exc.status_code}})
-        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers)
+        return _rendered(request, exc.envelope(), exc.status_code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(list(exc.errors()))
-        return JSONResponse(err.envelope(), status_code=400)
+        return _rendered(request, err.envelope(), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         body = error_envelope(str(exc.detail), "invalid_request_error", None, code)
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return _rendered(request, body, exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -60,7 +63,16 @@ def install_error_handlers(app: FastAPI) -> None:
             request.app.state.metrics.requests.labels(status="500", stream="unknown").inc()
         log.error("unhandled error", exc_info=exc, extra={"toolkv": {"request_id": _request_id(request),
                                                                       "status": 500}})
-        return JSONResponse(error_envelope("internal server error", "server_error"), status_code=500)
+        return _rendered(request, error_envelope("internal server error", "server_error"), 500)
+
+
+def _rendered(request: Request, envelope: dict[str, Any], status: int,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error as OpenAI's envelope, or on the Messages API's paths as Anthropic's."""
+    path = request.url.path
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+        envelope = anthropic_error(envelope["error"]["message"], status, envelope["error"]["param"])
+    return JSONResponse(envelope, status_code=status, headers=headers)
 
 
 def _request_id(request: Request) -> str | None:

@@ -1,0 +1,140 @@
+"""`POST /v1/messages`: Anthropic's Messages API, whole and streamed, run as the chat request it
+amounts to (gateway/protocol/messages.py) through the chat service, so tool groups, conversation
+reuse, keys (`x-api-key` or a bearer token), quotas and the cache headers work exactly as for
+chat, and a Messages request shares its KV with the equivalent chat request. Errors are in
+Anthropic's envelope (gateway/edge/handlers.py renders them for this path); `anthropic-version`
+and `anthropic-beta` headers are accepted whatever they say."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from gateway.api.generation import (
+    CLIENT_CLOSED_REQUEST,
+    GONE,
+    Arrival,
+    Release,
+    log_stream_bug,
+    parse_model,
+    prepare_chat,
+    serve_generation,
+    sse_response,
+    unless_disconnected,
+    validation_error,
+    whole_json,
+)
+from gateway.api.messages_stream import (
+    MessageEvents,
+    content_of,
+    message_body,
+    new_message_id,
+    stop_reason,
+    usage_of,
+)
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.messages import MessagesRequest, chat_body, messages_param
+from gateway.serving.jobs import Outcome, Prepared
+from gateway.serving.jobs import usage_of as chat_usage_of
+from gateway.serving.runtime import Runtime, loaded_runtime
+
+# Not in /openapi.json, which describes the OpenAI-compatible API (Anthropic publishes this one's).
+router = APIRouter(include_in_schema=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    req: MessagesRequest
+    prepared: Prepared
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    async def respond(planned: Planned, release: Release) -> Response:
+        runtime = loaded_runtime(request.app.state)
+        if not planned.req.stream:
+            return await whole_json(request, runtime, planned.prepared, _whole(runtime, planned.prepared))
+        return await _streamed(request, runtime, planned.prepared, release)
+
+    return await serve_generation(request, new_message_id(), _plan, respond)
+
+
+def _plan(arrival: Arrival) -> Planned:
+    """Parse, translate to chat and prepare (on a prepare thread)."""
+    req = parse_model(arrival.body, MessagesRequest)
+    body = chat_body(req)  # its own errors name Messages fields already
+    with _in_messages_terms():
+        try:
+            chat_req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        return Planned(req, prepare_chat(arrival, chat_req))
+
+
+@contextlib.contextmanager
+def _in_messages_terms() -> Iterator[None]:
+    """A chat-side error, naming the Messages field instead (`stop` is `stop_sequences`)."""
+    try:
+        yield
+    except APIError as exc:
+        param = messages_param(exc.param)
+        if param == exc.param:
+            raise
+        message = exc.message.replace(str(exc.param), str(param))
+        raise type(exc)(message, param=param, code=exc.code, headers=exc.headers) from None
+
+
+async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
+    completion = await runtime.service.complete(prepared)
+    choice = completion["choices"][0]
+    return message_body(prepared.request_id, prepared.model_name, content_of(choice["message"]),
+                        stop_reason(choice["finish_reason"]), usage_of(completion["usage"]))
+
+
+async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, release: Release) -> Response:
+    chunks = runtime.service.stream(prepared, include_usage=True)
+    # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
+    # is still queued cancels it (the chat stream records its 499).
+    first = await unless_disconnected(request, anext(chunks))
+    if first is GONE:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    events = _events(first, chunks, prepared, request.app.state.metrics)
+    return sse_response(request.app.state, prepared, events, release)
+
+
+async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], prepared: Prepared,
+                  metrics: Metrics) -> AsyncIterator[dict[str, str]]:
+    stream = MessageEvents(prepared.request_id, prepared.model_name)
+    # the prompt's usage is known once the first chunk is: the engine reported its prefill
+    prompt_usage = usage_of(chat_usage_of(prepared, Outcome(prefilled=prepared.prefilled)))
+    for event in stream.start(prompt_usage) + stream.feed(first):
+        yield _sse(event)
+    try:
+        async for chunk in chunks:
+            for event in stream.feed(chunk):
+                yield _sse(event)
+    except APIError as exc:
+        for event in stream.fail(exc.message, exc.status_code):
+            yield _sse(event)
+        return
+    except Exception:  # a bug after the first byte: end the stream with an error, count it
+        log_stream_bug(metrics, prepared.request_id)
+        for event in stream.fail("internal server error", 500):
+            yield _sse(event)
+        return
+    assert stream.chat_usage is not None  # the chat stream ends with usage when asked
+    for event in stream.finish(usage_of(stream.chat_usage)):
+        yield _sse(event)
+
+
+def _sse(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], "data": orjson.dumps(event).decode()}

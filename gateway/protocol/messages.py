@@ -1,0 +1,351 @@
+"""Anthropic's Messages API on the wire: the request, its translation into a chat request, and
+Anthropic's error envelope (the answer is built in gateway/api/messages_stream.py).
+
+A Messages request runs as the chat request it amounts to (so its tool group and earlier turns
+are cached exactly as chat's, and the two share KV): `system` becomes the system message, a
+`tool_use` block joins its assistant turn as a tool call, a `tool_result` block is a tool
+message, tools' `input_schema` is their `parameters`, `tool_choice` `any` is `required` and
+`disable_parallel_tool_use` is `parallel_tool_calls: false`, `output_config.format` is a
+`json_schema` `response_format`. `cache_control` breakpoints (and the top-level one) are
+accepted wherever Anthropic allows them and need nothing more: the tool group and earlier turns are
+cached without them. As in chat.py, fields toolkv does not implement are a 400 naming the field
+unless they hold a value that asks for nothing (`top_k`, extended thinking, server tools, images);
+fields outside Anthropic's API are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from gateway.errors import BadRequest
+from gateway.protocol.chat import MAX_TOKENS_LIMIT, UnsupportedField
+
+
+class _Lenient(BaseModel):
+    """Unknown keys are ignored (vendor extras); known keys are typed strictly."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class UnsupportedValue(UnsupportedField):
+    """A known field holding a value toolkv does not implement (an image block, a server tool)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.field = field
+
+
+class CacheControl(_Lenient):
+    """A prompt-caching breakpoint: honoured implicitly (the tool group and earlier turns are cached
+    whether marked or not, and kept by toolkv's own eviction, whatever the `ttl`)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: list[TextBlock] | str | None = None  # list first in errors: they name the block
+    is_error: bool | None = None  # the model reads the result's text; chat has no error flag to carry
+    cache_control: CacheControl | None = None
+
+
+BLOCK_TAGS = {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult"}
+
+
+def _block_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return BLOCK_TAGS.get(kind, "Text") if isinstance(kind, str) else "Text"
+
+
+# Tags start with a capital so error locations name the field, not the union member.
+ContentBlock = Annotated[Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")]
+                         | Annotated[ToolResultBlock, Tag("ToolResult")], Discriminator(_block_kind)]
+
+
+class MessageIn(_Lenient):
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[list[ContentBlock], Field(min_length=1)] | str  # list first: errors name the block
+
+
+class ToolIn(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    strict: bool | None = None  # the grammar holds every call to its schema, strict or not
+    cache_control: CacheControl | None = None
+
+
+class AutoChoice(_Lenient):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnyChoice(_Lenient):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNamed(_Lenient):
+    type: Literal["tool"]
+    name: str = Field(min_length=1)
+    disable_parallel_tool_use: bool | None = None
+
+
+class NoneChoice(_Lenient):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice, Field(discriminator="type")]
+
+
+class Metadata(_Lenient):
+    user_id: str | None = None
+
+
+class JsonOutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Lenient):
+    format: JsonOutputFormat | None = None
+    effort: Literal["high"] | None = None  # Anthropic's default; other levels: see UNSUPPORTED_FIELDS
+
+
+# Messages fields that are not implemented, each with the values that ask for nothing (accepted).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "top_k": lambda v: False,  # the sampler has no top-k: temperature and top_p only
+    "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
+    "service_tier": lambda v: v in ("auto", "standard_only"),
+    "container": lambda v: False,
+    "mcp_servers": lambda v: v == [],
+    "context_management": lambda v: False,
+    "output_format": lambda v: False,
+    "diagnostics": lambda v: False,  # no cache-miss reasons to give
+    "inference_geo": lambda v: False,
+    "speed": lambda v: v == "standard",
+}
+# Tool fields that would change how a tool is offered or called.
+UNSUPPORTED_TOOL_FIELDS: dict[str, Any] = {
+    "defer_loading": lambda v: v is False,
+    "allowed_callers": lambda v: v == ["direct"],
+    "input_examples": lambda v: v == [],
+}
+TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
+
+
+class MessagesRequest(_Lenient):
+    model: str | None = None
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    messages: list[MessageIn] = Field(min_length=1)
+    system: list[TextBlock] | str | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # automatic caching: what toolkv does anyway
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_fields(data, UNSUPPORTED_FIELDS, "")
+            _check_messages(data.get("messages"))
+            _check_tools(data.get("tools"))
+            choice = data.get("tool_choice")
+            if isinstance(choice, dict) and choice.get("type") not in TOOL_CHOICE_TYPES:
+                raise UnsupportedValue("tool_choice.type", f"tool_choice of type '{str(choice.get('type'))[:40]}' "
+                                       "is not supported: send 'auto', 'any', 'tool' or 'none'")
+            config = data.get("output_config")
+            if isinstance(config, dict) and config.get("effort") not in (None, "high"):
+                raise UnsupportedField("output_config.effort")
+        return data
+
+
+def _check_fields(data: dict[str, Any], rules: dict[str, Any], prefix: str) -> None:
+    for name, is_noop in rules.items():
+        value = data.get(name)
+        if value is not None and not is_noop(value):
+            raise UnsupportedField(prefix + name)
+
+
+def _check_messages(messages: Any) -> None:
+    """Blocks of a type toolkv does not read (images, documents, thinking, server tools' blocks)."""
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for b_index, block in enumerate(content if isinstance(content, list) else ()):
+            _check_block(block, f"messages[{index}].content[{b_index}]", tuple(BLOCK_TAGS))
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            for i_index, part in enumerate(inner if isinstance(inner, list) else ()):
+                _check_block(part, f"messages[{index}].content[{b_index}].content[{i_index}]", ("text",))
+
+
+def _check_block(block: Any, path: str, known: tuple[str, ...]) -> None:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if isinstance(kind, str) and kind not in known:
+        raise UnsupportedValue(f"{path}.type", f"content blocks of type '{kind[:40]}' are not supported here: this "
+                               f"server reads {', '.join(repr(k) for k in known)} blocks")
+
+
+def _check_tools(tools: Any) -> None:
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, dict):
+            continue
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise UnsupportedValue(f"tools[{index}].type", f"tools of type '{str(kind)[:60]}' are not supported: "
+                                   "this server runs client tools (with an 'input_schema') only")
+        _check_fields(tool, UNSUPPORTED_TOOL_FIELDS, f"tools[{index}].")
+
+
+# ---- into a chat request ---------------------------------------------------------------------
+
+
+def chat_body(req: MessagesRequest) -> dict[str, Any]:
+    """The chat request `req` amounts to."""
+    last = req.messages[-1]
+    if last.role == "assistant":
+        raise BadRequest("a final assistant message (prefilling the answer) is not supported: end with a "
+                         "user message", param=f"messages[{len(req.messages) - 1}]")
+    messages = [_system(req.system)] if req.system is not None else []
+    for index, message in enumerate(req.messages):
+        messages += _chat_messages(message, f"messages[{index}]")
+    body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": req.stream}
+    if req.model is not None:
+        body["model"] = req.model
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": _function(tool)} for tool in req.tools]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+        if getattr(req.tool_choice, "disable_parallel_tool_use", None):
+            body["parallel_tool_calls"] = False
+    if req.stop_sequences:
+        body["stop"] = req.stop_sequences
+    fields = {"temperature": req.temperature, "top_p": req.top_p,
+              "user": req.metadata.user_id if req.metadata is not None else None}
+    body.update({name: value for name, value in fields.items() if value is not None})
+    if req.output_config is not None and req.output_config.format is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
+    return body
+
+
+def _system(system: str | list[TextBlock]) -> dict[str, Any]:
+    return {"role": "system", "content": _text(system)}
+
+
+def _chat_messages(message: MessageIn, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: a user turn's tool results are tool messages (in
+    order, around its text), an assistant turn's tool_use blocks its tool calls."""
+    content = message.content
+    if isinstance(content, str):
+        return [{"role": message.role, "content": content}]
+    texts = [block for block in content if isinstance(block, TextBlock)]
+    if message.role == "system":
+        if len(texts) < len(content):
+            raise BadRequest("a system message holds text blocks only", param=where)
+        return [_system(texts)]
+    if message.role == "assistant":
+        if any(isinstance(block, ToolResultBlock) for block in content):
+            raise BadRequest("an assistant message cannot hold a 'tool_result' block (tool results are sent in "
+                             "the user message that follows)", param=where)
+        calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+                 for block in content if isinstance(block, ToolUseBlock)]
+        turn: dict[str, Any] = {"role": "assistant", "content": _text(texts) if texts or not calls else None}
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    out: list[dict[str, Any]] = []
+    texts = []  # the user's text since the last tool result
+    for block in content:
+        if isinstance(block, ToolResultBlock):
+            if texts:
+                out.append({"role": "user", "content": _text(texts)})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content or "")})
+        elif isinstance(block, TextBlock):
+            texts.append(block)
+        else:
+            raise BadRequest("a user message cannot hold a 'tool_use' block (the assistant's calls are in its "
+                             "own turn)", param=where)
+    if texts:
+        out.append({"role": "user", "content": _text(texts)})
+    return out
+
+
+def _text(content: str | list[TextBlock]) -> str | list[dict[str, str]]:
+    """Text blocks as chat's text parts (joined as chat joins them)."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": block.text} for block in content]
+
+
+def _function(tool: ToolIn) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return function
+
+
+def _chat_tool_choice(choice: AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice) -> str | dict[str, Any]:
+    if isinstance(choice, ToolChoiceNamed):
+        return {"type": "function", "function": {"name": choice.name}}
+    return "required" if isinstance(choice, AnyChoice) else choice.type
+
+
+CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata.user_id",
+               "response_format": "output_config.format"}
+
+
+def messages_param(chat_param: str | None) -> str | None:
+    """The Messages field a chat-side error names: `messages[3].content` is in `messages` (a turn
+    with tool results is several chat messages), `tools[0].function.parameters` is
+    `tools[0].input_schema`, `stop` is `stop_sequences`."""
+    if chat_param is None:
+        return None
+    if chat_param.startswith("messages"):
+        return "messages"
+    if chat_param.startswith("tool_choice"):
+        return "tool_choice"
+    if chat_param.startswith("tools["):
+        return chat_param.replace(".function.parameters", ".input_schema", 1).replace(".function", "", 1)
+    return CHAT_PARAMS.get(chat_param, chat_param)
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error envelope; its `type` follows the status, as Anthropic's do. It has no
+    `param`: a message that does not name the field it is about starts with it (`tools[0].type: `)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
