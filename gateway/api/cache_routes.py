@@ -1,5 +1,6 @@
-"""Cache management endpoints: `POST /v1/cache/warm`, `GET /v1/cache`, `GET /v1/cache/{id}`,
-`DELETE /v1/cache/{id}`, `DELETE /v1/cache`. They need the admin key when API keys are set. An id
+"""Cache management endpoints: `POST /v1/cache/warm` (`"pin": true` pins the group), `GET /v1/cache`,
+`GET /v1/cache/{id}`, `DELETE /v1/cache/{id}`, `DELETE /v1/cache`, and `POST`/`DELETE
+/v1/cache/{id}/pin` (pin, unpin). They need the admin key when API keys are set. An id
 is an entry's key digest (64 lowercase hex, `gateway/edge/cache_ids.py`); anything else is rejected
 before it can reach the filesystem. Warming fills the shared namespace: what an open gateway, and
 tenants using a group listed in `shared_groups`, look up."""
@@ -7,6 +8,7 @@ tenants using a group listed in `shared_groups`, look up."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import orjson
 from fastapi import APIRouter, Request
@@ -17,7 +19,7 @@ from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.edge.limits import check_json_depth
 from gateway.engine import QueueFull
 from gateway.errors import BadRequest, Overloaded
-from gateway.serving.cache_admin import WarmRequest, entry_dict, plan_warm, warm_plan
+from gateway.serving.cache_admin import WarmRequest, entry_dict, pin_entry, plan_warm, warm_plan
 from gateway.serving.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
@@ -29,13 +31,14 @@ _WRITE_TIMEOUT_S = 30.0
 @router.post("/v1/cache/warm")
 async def warm(request: Request) -> JSONResponse:
     """Compile a tool group now; when this returns, the entry is in RAM and (if the disk allows)
-    on disk, so it also survives a restart."""
+    on disk, so it also survives a restart. `"pin": true` pins it too (a 400 past
+    pinned_budget_bytes: the group is warmed, not pinned)."""
     runtime = _admin_runtime(request)
     raw = await request.body()
     settings: Settings = request.app.state.settings
     # parsing, rendering and tokenizing a group is blocking work: off the event loop
-    plan = await asyncio.to_thread(lambda: plan_warm(runtime.service, _warm_request(raw), settings.max_tools,
-                                                     settings.max_schema_depth))
+    body = await asyncio.to_thread(_warm_request, raw)
+    plan = await asyncio.to_thread(plan_warm, runtime.service, body, settings.max_tools, settings.max_schema_depth)
     try:
         future = warm_plan(runtime.engine, plan)
     except QueueFull:
@@ -43,6 +46,11 @@ async def warm(request: Request) -> JSONResponse:
                          headers={"Retry-After": "1"}) from None
     warmed = await asyncio.wrap_future(future)
     await asyncio.to_thread(runtime.store.flush, _WRITE_TIMEOUT_S)
+    if body.pin:
+        pinned = await asyncio.to_thread(pin_entry, runtime.store, warmed.digest, settings.pinned_budget_bytes, "pin")
+        warmed = dataclasses.replace(warmed, pinned=pinned is not None)
+    elif runtime.store.pins.is_pinned(warmed.digest):
+        warmed = dataclasses.replace(warmed, pinned=True)
     return JSONResponse(warmed.to_dict())
 
 
@@ -71,6 +79,29 @@ async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
     if not await asyncio.to_thread(runtime.store.remove, digest):
         raise unknown_entry(digest)
     return JSONResponse({"id": digest, "object": "toolkv.cache_entry.deleted", "deleted": True})
+
+
+@router.post("/v1/cache/{entry_id}/pin")
+async def pin(entry_id: str, request: Request) -> JSONResponse:
+    """Pin an entry: never evicted by LRU pressure nor by the disk budget, across restarts."""
+    runtime = _admin_runtime(request)
+    digest = checked_id(entry_id)
+    settings: Settings = request.app.state.settings
+    info = await asyncio.to_thread(pin_entry, runtime.store, digest, settings.pinned_budget_bytes)
+    if info is None:
+        raise unknown_entry(digest)
+    return JSONResponse(entry_dict(info))
+
+
+@router.delete("/v1/cache/{entry_id}/pin")
+async def unpin(entry_id: str, request: Request) -> JSONResponse:
+    """Unpin an entry: evictable again (it stays cached until LRU takes it)."""
+    runtime = _admin_runtime(request)
+    digest = checked_id(entry_id)
+    info = await asyncio.to_thread(runtime.store.unpin, digest)
+    if info is None:
+        raise unknown_entry(digest)
+    return JSONResponse(entry_dict(info))
 
 
 @router.delete("/v1/cache")

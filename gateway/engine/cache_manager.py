@@ -22,6 +22,7 @@ from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.pins import Level
 from gateway.kvcache.store import PrefixStore
 
 
@@ -108,6 +109,8 @@ class KVCacheManager:
         result: CacheResult = "bypass" if not job.use_cache else "skip"
         if cacheable and job.use_cache and not recompute:
             key = self.key_for(prompt[:group_len], job.salt)
+            if job.retention_s:  # before the lookup: the group is kept whether found or computed
+                self.store.retain(key.digest, job.retention_s)
             if key.digest in self.compiling:
                 return HOLD
             found = self._lookup(key, job.salt)
@@ -212,17 +215,22 @@ class KVCacheManager:
         own_run = self.allocate(own_tokens)
         if own_run is None or not group_tokens:
             return None if own_run is None else (own_run, None)
-        group_run = self.allocate(group_tokens)
+        group_run = self.allocate(group_tokens, held_blocks=own_run.count)
         if group_run is None:
             own_run.release()
             return None
         return own_run, group_run
 
-    def allocate(self, tokens: int) -> BlockRun | None:
+    def allocate(self, tokens: int, held_blocks: int = 0) -> BlockRun | None:
         """A run for `tokens`, making room by dropping conversation records, then cached groups
-        nobody uses (least recently used first)."""
+        nobody uses (least recently used first). Retained, then pinned groups go (from RAM only)
+        when nothing else is left and waiting would not help: no block is held but the cache's
+        (and `held_blocks`, the caller's own), so no running request will give any back."""
         while (run := self.pool.allocate(tokens)) is None:
-            if not self.conversations.evict_oldest() and not self.store.evict_oldest():
+            if self.conversations.evict_oldest() or self.store.evict_oldest():
+                continue
+            if self.pool.num_used - held_blocks > self.cached_blocks() or \
+                    not self.store.evict_oldest(up_to=Level.PINNED):
                 return None
         return run
 

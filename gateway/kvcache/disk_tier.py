@@ -8,7 +8,9 @@ is swept. Entries are read through one no-follow, non-blocking fd (`entry_file`)
 fails any check on read is moved to `<cache_dir>/quarantine/` and raised as a `CacheFault`; the
 caller treats that as a miss. A bad file that can be neither moved nor deleted is remembered in
 memory (by its size, mtime and inode) and skipped until it changes. LRU under a byte budget uses
-file mtimes, which a hit refreshes, so every process using the dir shares one order.
+file mtimes, which a hit refreshes, so every process using the dir shares one order. Pinned
+entries (`pins`, recorded in `<cache_dir>/pins.json`) are never evicted by the budget; retained
+ones only when nothing unprotected is left.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stat import S_ISREG
 
 import torch
 
+from gateway.kvcache.disk_files import BadFiles, Clock, delete, fsync_dir, quarantined_at
 from gateway.kvcache.disk_format import (
     CacheFault,
     Header,
@@ -48,6 +51,7 @@ from gateway.kvcache.entry_file import (
     write_entry,
 )
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.pins import Level, Pins
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,6 @@ _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 _TEMP_PREFIX = ".tmp"  # ours are `.tmp-toolkv-*`; older builds left safetensors' `.tmpXXXXXX`
 _TEMP_GRACE_S = 60.0  # an unlocked temp this old belongs to a writer that died
 _MAX_QUARANTINED = 32
-_MAX_REMEMBERED_BAD = 1024
 # What a damaged header or tensor table raises while being parsed.
 _MALFORMED = (ValueError, KeyError, TypeError, IndexError)
 
@@ -95,13 +98,15 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.identity = identity
         self.device = torch.device(device)
-        self._clock = _Clock()
-        self._bad = _BadFiles()
+        self._clock = Clock()
+        self._bad = BadFiles()
+        self.pins = Pins(root)  # pinned and retained entries of every process sharing the dir
         # Checks a loaded entry's tensors on all cores (a restart's first request waits for it).
         self._checkers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
 
     def close(self) -> None:
         self._checkers.shutdown(wait=False)
+        self.pins.close()
 
     # ---- entries -----------------------------------------------------------------------------
 
@@ -155,6 +160,12 @@ class DiskTier:
         return self.evict_over_budget(keep=entry.key.digest)
 
     def remove(self, digest: str) -> bool:
+        """Delete the entry's file, and any pin or retention it had."""
+        removed = self._unlink(digest)
+        self.pins.forget([digest])
+        return removed
+
+    def _unlink(self, digest: str) -> bool:
         path = self.path_for(digest)
         try:
             path.unlink()
@@ -170,7 +181,12 @@ class DiskTier:
         the tier has no identity)."""
         doomed = [s.digest for s in self._scan()
                   if self.identity is None or (r := self._record(s)) is None or self._is_ours(r)]
-        return sum(self.remove(d) for d in doomed)
+        removed = sum(self._unlink(d) for d in doomed)
+        if self.identity is None:
+            self.pins.forget_all()
+        else:
+            self.pins.forget(doomed)
+        return removed
 
     def records(self) -> list[DiskRecord]:
         """Entries of this tier's model (all when it has no identity), least recently used first.
@@ -190,16 +206,21 @@ class DiskTier:
 
     def evict_over_budget(self, keep: str = "") -> list[str]:
         """Remove least recently used files until the dir (temp files included) fits the
-        budget; never `keep`."""
+        budget: unprotected ones first, retained ones only when none is left; never a pinned
+        one, never `keep`."""
+        self.pins.refresh()
         stats = self._scan()
         total = sum(s.num_bytes for s in stats) + self._temp_bytes()
         evicted: list[str] = []
-        for stat in stats:
-            if total <= self.budget_bytes:
-                break
-            if stat.digest != keep and self.remove(stat.digest):
-                total -= stat.num_bytes
-                evicted.append(stat.digest)
+        now = time.time()
+        levels = {s.digest: self.pins.level(s.digest, now) for s in stats}
+        for level in (Level.NONE, Level.RETAINED):
+            for stat in stats:
+                if total <= self.budget_bytes:
+                    return evicted
+                if levels[stat.digest] is level and stat.digest != keep and self._unlink(stat.digest):
+                    total -= stat.num_bytes
+                    evicted.append(stat.digest)
         return evicted
 
     def sweep_stale_temps(self, max_age_s: float = _TEMP_GRACE_S) -> int:
@@ -232,7 +253,7 @@ class DiskTier:
         finally:
             os.close(fd)
             temp.unlink(missing_ok=True)
-        _fsync_dir(self.kv_dir)
+        fsync_dir(self.kv_dir)
 
     def _touch(self, path: Path) -> None:
         stamp = self._clock.now_ns()
@@ -311,7 +332,7 @@ class DiskTier:
             seen = FileId.of(os.lstat(path))
         except OSError:  # gone already
             return
-        if self._move_aside(path, kind) or _delete(path):
+        if self._move_aside(path, kind) or delete(path):
             return
         self._bad.add(path, seen)
         log.warning("cannot move or delete bad cache file %s (%s); skipping it until it changes",
@@ -333,79 +354,8 @@ class DiskTier:
     def _trim_quarantine(self) -> None:
         """Keep the newest few quarantined files: enough to inspect, never a growing pile."""
         try:
-            moved = sorted(self.quarantine_dir.iterdir(), key=_quarantined_at)
+            moved = sorted(self.quarantine_dir.iterdir(), key=quarantined_at)
         except OSError:
             return
         for old in moved[: max(0, len(moved) - _MAX_QUARANTINED)]:
-            _delete(old)
-
-
-# ---- helpers -----------------------------------------------------------------------------------
-
-
-def _delete(path: Path) -> bool:
-    """Unlink `path`; True unless it is still there."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return True
-    except OSError:  # read-only, immutable, or a directory under the name
-        return False
-    return True
-
-
-def _quarantined_at(path: Path) -> int:
-    parts = path.name.rsplit(".", 2)  # <digest>.<kind>.<ns>.safetensors
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory; the rename is still atomic
-        _fsync_file(path)
-
-
-class _BadFiles:
-    """Bad files that could not be moved or deleted, by path and the `FileId` seen when found
-    bad: the same file is skipped (no read, no second count), a rewritten one is examined again."""
-
-    def __init__(self) -> None:
-        self._seen: dict[Path, FileId] = {}
-        self._lock = threading.Lock()
-
-    def add(self, path: Path, seen: FileId) -> None:
-        with self._lock:
-            self._seen.pop(path, None)
-            self._seen[path] = seen
-            if len(self._seen) > _MAX_REMEMBERED_BAD:  # bounded: forget the oldest
-                del self._seen[next(iter(self._seen))]
-
-    def holds(self, path: Path) -> bool:
-        with self._lock:
-            seen = self._seen.get(path)
-        if seen is None:
-            return False
-        try:
-            return FileId.of(os.lstat(path)) == seen
-        except OSError:
-            return False
-
-
-class _Clock:
-    """Strictly increasing wall-clock nanoseconds, so two touches never tie in LRU order."""
-
-    def __init__(self) -> None:
-        self._last_ns = 0
-        self._lock = threading.Lock()
-
-    def now_ns(self) -> int:
-        with self._lock:
-            self._last_ns = max(time.time_ns(), self._last_ns + 1)
-            return self._last_ns
+            delete(old)

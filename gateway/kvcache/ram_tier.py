@@ -1,25 +1,37 @@
 """RAM tier: LRU under a byte budget. An entry that is locked (in use by a request) is never evicted.
-An entry kept here holds a reference to its KV pool blocks; removing it gives them back."""
+An entry kept here holds a reference to its KV pool blocks; removing it gives them back.
+
+`guard(digest)` says how strongly an entry is held (`pins.Level`): LRU eviction takes unprotected
+entries only; a retained entry goes only to make room for a pinned one, or when the pool asks for
+more (`evict_oldest(up_to=...)`); a pinned one only when the pool asks for it explicitly."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.pins import Level
 
 
 @dataclass(frozen=True, slots=True)
 class Eviction:
     digest: str
     num_bytes: int
+    level: Level = Level.NONE
+
+
+def _unguarded(digest: str) -> Level:
+    return Level.NONE
 
 
 class RamTier:
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, guard: Callable[[str], Level] = _unguarded) -> None:
         self.budget_bytes = budget_bytes
+        self.guard = guard
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
         self._locks: dict[str, int] = {}
         self._mutex = threading.Lock()
@@ -52,10 +64,13 @@ class RamTier:
                 return []
             entry.retain()  # the tier's own reference to the entry's pool blocks (taken first: the
             self._remove(entry.key.digest)  # entry may be the one it replaces)
-            evicted = self._evict_for(entry.num_bytes)
+            # an unprotected or retained entry makes room among unprotected ones; a pinned one
+            # among retained ones too
+            below = max(self.guard(entry.key.digest), Level.RETAINED)
+            evicted = self._evict_for(entry.num_bytes, below)
             if self.num_bytes + entry.num_bytes > self.budget_bytes:
                 entry.release()
-                return evicted  # everything left is locked; the entry is used once, not kept
+                return evicted  # the rest is locked or protected; the entry is used once, not kept
             self._entries[entry.key.digest] = entry
             self.num_bytes += entry.num_bytes
             return evicted
@@ -88,25 +103,41 @@ class RamTier:
         with self._mutex:
             return list(self._entries.values())
 
-    def evict_oldest(self) -> Eviction | None:
-        """Drop the least recently used entry not in use (the pool needs its blocks)."""
+    def evict_oldest(self, up_to: Level = Level.NONE) -> Eviction | None:
+        """Drop the least recently used entry not in use (the pool needs its blocks), of the
+        lowest protection level there is, up to `up_to`."""
         with self._mutex:
-            for digest in self._entries:
-                if digest not in self._locks:
-                    evicted = Eviction(digest, self._entries[digest].num_bytes)
-                    self._remove(digest)
-                    return evicted
-            return None
-
-    def _evict_for(self, incoming_bytes: int) -> list[Eviction]:
-        evicted: list[Eviction] = []
-        for digest in list(self._entries):
-            if self.num_bytes + incoming_bytes <= self.budget_bytes:
-                break
-            if digest in self._locks:
-                continue
-            evicted.append(Eviction(digest, self._entries[digest].num_bytes))
+            found: tuple[Level, str] | None = None
+            for digest in self._entries:  # least recently used first
+                if digest in self._locks:
+                    continue
+                level = self.guard(digest)
+                if level <= up_to and (found is None or level < found[0]):
+                    found = (level, digest)
+                    if level is Level.NONE:
+                        break
+            if found is None:
+                return None
+            level, digest = found
+            evicted = Eviction(digest, self._entries[digest].num_bytes, level)
             self._remove(digest)
+            return evicted
+
+    def _levels(self) -> dict[str, Level]:
+        """The protection level of every entry not in use, least recently used first."""
+        return {d: self.guard(d) for d in self._entries if d not in self._locks}
+
+    def _evict_for(self, incoming_bytes: int, below: Level) -> list[Eviction]:
+        evicted: list[Eviction] = []
+        levels = self._levels()
+        for level in sorted(set(levels.values())):
+            if level >= below:
+                break
+            for digest in [d for d, held in levels.items() if held == level]:
+                if self.num_bytes + incoming_bytes <= self.budget_bytes:
+                    return evicted
+                evicted.append(Eviction(digest, self._entries[digest].num_bytes, level))
+                self._remove(digest)
         return evicted
 
     def _remove(self, digest: str) -> bool:

@@ -2,11 +2,17 @@
 caller computes); a disk hit is promoted to RAM. Insert puts the entry in RAM and hands the disk
 write to a background thread, so the request path never waits for the disk. A disk fault is a
 miss (or a skipped write) plus a counter plus a warning, never a failed request.
+
+Entries may be pinned (never evicted by LRU pressure or the disk budget) or retained until a
+deadline (a request's `prompt_cache_retention`); `pins` keeps both, on disk beside the entries
+when there is a disk tier, so they survive a restart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +23,7 @@ from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.pins import Level, Pins
 from gateway.kvcache.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,8 @@ class EntryInfo:
     hits: int
     created_at: float
     last_used_at: float
+    pinned: bool = False
+    retain_until: float = 0.0  # a request's retention deadline (wall clock); 0: none
 
 
 class Tally:
@@ -71,6 +80,8 @@ class PrefixStore:
         self.ram = ram
         self.disk = disk
         self.tally = Tally()
+        self.pins = disk.pins if disk is not None else Pins(None)
+        ram.guard = self.pins.level
         self._writer = BackgroundWriter(self._persist) if disk is not None else None
 
     def lookup(self, key: PrefixKey) -> Found | None:
@@ -116,14 +127,58 @@ class PrefixStore:
 
     # ---- management ----------------------------------------------------------------------------
 
-    def evict_oldest(self) -> bool:
+    def evict_oldest(self, up_to: Level = Level.NONE) -> bool:
         """Drop the least recently used RAM entry not in use, to give its blocks back to the
-        pool (it stays on disk); False when there is none."""
-        evicted = self.ram.evict_oldest()
+        pool (it stays on disk, and keeps its pin or retention there); unprotected entries only,
+        unless `up_to` lets retained (then pinned) ones go when none is left. False when there
+        is none."""
+        evicted = self.ram.evict_oldest(up_to)
         if evicted is None:
             return False
+        if evicted.level is not Level.NONE:
+            log.warning("the KV pool had nothing else to evict: dropped %s entry %s from RAM (it stays on "
+                        "disk); pinned_budget_bytes may be too close to ram_budget_bytes",
+                        evicted.level.name.lower(), evicted.digest[:16])
         self.tally.add("eviction", "ram")
         return True
+
+    # ---- pins and retention --------------------------------------------------------------------
+
+    def pin(self, digest: str, budget_bytes: int) -> EntryInfo | None:
+        """Pin the entry (None: there is none). Raises `pins.PinBudgetExceeded` when the pinned
+        entries' bytes would pass `budget_bytes`."""
+        info = self.find(digest)
+        if info is None:
+            return None
+        self._forget_vanished_pins()
+        self.pins.pin(digest, info.num_bytes, budget_bytes)
+        return dataclasses.replace(info, pinned=True)
+
+    def unpin(self, digest: str) -> EntryInfo | None:
+        """Unpin the entry: it is evictable again (None: there is no such entry)."""
+        self.pins.unpin(digest)
+        return self.find(digest)
+
+    def retain(self, digest: str, seconds: float) -> None:
+        """Keep the entry of `digest` (present, or about to be computed) at least `seconds`."""
+        self.pins.retain(digest, seconds)
+
+    def pinned_bytes(self) -> int:
+        return self.pins.pinned_bytes()
+
+    def find(self, digest: str) -> EntryInfo | None:
+        return next((info for info in self.entries() if info.digest == digest), None)
+
+    def _forget_vanished_pins(self) -> None:
+        """Pins whose entry is gone from every tier (e.g. removed with `toolkv cache rm` while
+        this server ran) no longer count against the budget."""
+        in_ram = {e.key.digest for e in self.ram.entries()}
+        gone = [d for d in self.pins.pinned() if d not in in_ram and
+                (self.disk is None or not os.path.lexists(self.disk.path_for(d)))]
+        if gone:
+            self.pins.forget(gone)
+
+    # ---- listing and removing ------------------------------------------------------------------
 
     def entries(self) -> list[EntryInfo]:
         """Every entry of this model in any tier, most recently used first."""
@@ -131,23 +186,26 @@ class PrefixStore:
         for record in self.disk.records() if self.disk is not None else ():
             held = merged.get(record.digest)
             merged[record.digest] = _disk_info(record) if held is None else _with_disk(held)
-        return sorted(merged.values(), key=lambda info: info.last_used_at, reverse=True)
+        return sorted((self._held(info) for info in merged.values()), key=lambda info: info.last_used_at,
+                      reverse=True)
 
     def ram_entries(self) -> list[EntryInfo]:
         """The entries held in RAM, most recently used first; never touches the disk (cheap
         enough for a dashboard that polls)."""
-        return [_ram_info(e) for e in reversed(self.ram.entries())]
+        return [self._held(_ram_info(e)) for e in reversed(self.ram.entries())]
 
     def remove(self, digest: str) -> bool:
-        """Drop the entry from every tier (a pending disk write of it is cancelled)."""
+        """Drop the entry from every tier (a pending disk write of it is cancelled), and its pin."""
         if self._writer is not None:
             self._writer.cancel(digest)
         in_ram = self.ram.remove(digest)
         on_disk = self.disk.remove(digest) if self.disk is not None else False
+        self.pins.forget([digest])
         return in_ram or on_disk
 
     def clear(self) -> int:
-        """Drop every entry not in use; returns how many distinct entries went."""
+        """Drop every entry not in use, pinned ones too, and their pins; returns how many
+        distinct entries went."""
         if self._writer is not None:
             self._writer.cancel_all()
         digests = {e.key.digest for e in self.ram.entries()}
@@ -155,6 +213,7 @@ class PrefixStore:
         if self.disk is not None:
             digests.update(r.digest for r in self.disk.records())
             self.disk.clear()
+        self.pins.forget(digests)
         return len(digests)
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -169,6 +228,12 @@ class PrefixStore:
             self.disk.close()
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _held(self, info: EntryInfo) -> EntryInfo:
+        level = self.pins.level(info.digest)
+        if level is Level.NONE:
+            return info
+        return dataclasses.replace(info, pinned=level is Level.PINNED, retain_until=self.pins.retain_until(info.digest))
 
     def _insert_ram(self, entry: CacheEntry) -> None:
         self.tally.add("eviction", "ram", len(self.ram.insert(entry)))

@@ -1,6 +1,7 @@
 """Cache management shared by the HTTP routes and the CLI: warming a tool group ahead of traffic,
-and the wire shape of a cache entry. A warmed group is rendered and tokenized exactly as a chat
-request's tool group is, so later chat requests with the same system prompt and tools hit it.
+pinning an entry, and the wire shape of a cache entry. A warmed group is rendered and tokenized
+exactly as a chat request's tool group is, so later chat requests with the same system prompt and
+tools hit it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from gateway.engine import Engine, TooLarge
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.store import EntryInfo
+from gateway.kvcache.pins import PinBudgetExceeded
+from gateway.kvcache.store import EntryInfo, PrefixStore
 from gateway.protocol.chat import ToolIn
 from gateway.serving.checks import check_unique_names
 from gateway.serving.service import ChatService
@@ -36,6 +38,7 @@ class WarmRequest(BaseModel):
 
     tools: list[ToolIn] = Field(default_factory=list)
     system: str | None = None
+    pin: bool = False  # pin the warmed group: never evicted (up to pinned_budget_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +58,13 @@ class Warmed:
     num_bytes: int
     compile_s: float  # spent by this call: 0.0 when the group was already cached
     already_cached: bool
+    pinned: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.digest, "object": "toolkv.cache_entry", "group_id": self.group_id,
                 "tool_names": list(self.tool_names), "prefix_tokens": self.prefix_tokens,
                 "bytes": self.num_bytes, "compile_s": round(self.compile_s, 4),
-                "already_cached": self.already_cached}
+                "already_cached": self.already_cached, "pinned": self.pinned}
 
 
 def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
@@ -99,12 +103,22 @@ def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:
     return warmed
 
 
+def pin_entry(store: PrefixStore, digest: str, budget_bytes: int, param: str = "id") -> EntryInfo | None:
+    """Pin the entry (None: there is none); past `budget_bytes` pinned, a 400 naming the setting."""
+    try:
+        return store.pin(digest, budget_bytes)
+    except PinBudgetExceeded as exc:
+        raise BadRequest(f"cannot pin {digest}: {exc}; unpin another group (DELETE /v1/cache/ID/pin) "
+                         "or raise pinned_budget_bytes", param=param, code="pinned_budget_exceeded") from None
+
+
 def entry_dict(info: EntryInfo) -> dict[str, Any]:
     return {"id": info.digest, "object": "toolkv.cache_entry", "group_id": info.group_id,
             "tool_names": list(info.tool_names), "prefix_tokens": info.num_tokens,
             "bytes": info.num_bytes, "tier": info.tiers[0], "tiers": list(info.tiers),
             "hits": info.hits, "created_at": round(info.created_at, 3),
-            "last_used_at": round(info.last_used_at, 3)}
+            "last_used_at": round(info.last_used_at, 3), "pinned": info.pinned,
+            "retained_until": round(info.retain_until, 3) if info.retain_until else None}
 
 
 def _check_depth(tools: list[ToolIn], limit: int) -> None:

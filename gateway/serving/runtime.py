@@ -47,6 +47,7 @@ class Runtime:
         m = self.metrics
         m.cache_entries.labels(tier="ram").set(len(self.store.ram))
         m.cache_bytes.labels(tier="ram").set(self.store.ram.num_bytes)
+        m.cache_pinned_bytes.set(self.store.pinned_bytes())
         if self.store.disk is not None:
             num_files, num_bytes = self.store.disk.usage()
             m.cache_entries.labels(tier="disk").set(num_files)

@@ -1,0 +1,344 @@
+"""Pinned and retained cache entries, by key digest. A pinned entry is never evicted by LRU
+pressure (RAM tier, KV pool) nor by the disk budget; a retained one (a request's
+`prompt_cache_retention: "24h"`) is not until its deadline passes. Both are kept apart from the
+entry files (whose signed headers are written once) in one small JSON file beside them,
+`<cache_dir>/pins.json`, so they survive a restart and every process sharing the dir sees them:
+
+    {"version": 1, "entries": {"<digest>": {"pinned": true, "bytes": 123, "retain_until": 0.0}}}
+
+Each change is a read-merge-write of that file under an exclusive lock on `pins.lock` (a change
+made by another process meanwhile is kept), written to a temp file and renamed. The file is read
+as an entry file is, through a no-follow, non-blocking fd on a regular file; one that cannot be
+read or parsed counts as empty (with a warning), never as a failed start. A retention deadline is
+written in the background, and again only when it moved by an hour or more, so a request never
+waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import json
+import logging
+import os
+import re
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.kvcache.disk_format import CacheFault
+from gateway.kvcache.entry_file import FileId, open_regular
+
+log = logging.getLogger(__name__)
+
+PINS_FILE = "pins.json"
+_LOCK_FILE = "pins.lock"
+_VERSION = 1
+_MAX_FILE_BYTES = 8 << 20
+_MAX_RECORDS = 100_000
+_RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class Level(enum.IntEnum):
+    """How strongly an entry is held: eviction takes NONE first, RETAINED only when nothing else
+    is left, PINNED never by LRU."""
+
+    NONE = 0
+    RETAINED = 1
+    PINNED = 2
+
+
+@dataclass(slots=True)
+class Hold:
+    pinned: bool = False
+    num_bytes: int = 0  # a pinned entry's bytes, counted against the pinned budget
+    retain_until: float = 0.0  # wall-clock seconds; 0: no retention
+
+    def live(self, now: float) -> bool:
+        return self.pinned or self.retain_until > now
+
+
+class PinBudgetExceeded(Exception):
+    def __init__(self, wanted: int, pinned: int, budget: int) -> None:
+        super().__init__(f"pinning {wanted} bytes would make {pinned + wanted} bytes pinned; "
+                         f"pinned_budget_bytes is {budget}")
+        self.wanted, self.pinned, self.budget = wanted, pinned, budget
+
+
+Change = Callable[[dict[str, Hold]], None]
+
+
+class Pins:
+    def __init__(self, root: Path | None) -> None:
+        self.path = root / PINS_FILE if root is not None else None
+        self._holds: dict[str, Hold] = {}
+        self._saved_until: dict[str, float] = {}  # retention deadlines as last written
+        self._seen: FileId | None = None
+        self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
+        self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
+        self._flush_pending = False
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkv-pins")
+        self.refresh()
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def level(self, digest: str, now: float | None = None) -> Level:
+        with self._lock:
+            hold = self._holds.get(digest)
+        if hold is None:
+            return Level.NONE
+        if hold.pinned:
+            return Level.PINNED
+        return Level.RETAINED if hold.retain_until > (time.time() if now is None else now) else Level.NONE
+
+    def is_pinned(self, digest: str) -> bool:
+        return self.level(digest) is Level.PINNED
+
+    def retain_until(self, digest: str) -> float:
+        with self._lock:
+            hold = self._holds.get(digest)
+        return hold.retain_until if hold is not None and hold.retain_until > time.time() else 0.0
+
+    def pinned(self) -> dict[str, int]:
+        """Pinned digests and their bytes."""
+        with self._lock:
+            return {d: h.num_bytes for d, h in self._holds.items() if h.pinned}
+
+    def pinned_bytes(self) -> int:
+        return sum(self.pinned().values())
+
+    # ---- changing ------------------------------------------------------------------------------
+
+    def pin(self, digest: str, num_bytes: int, budget: int) -> bool:
+        """Pin `digest` (`num_bytes` counted against `budget`); False when it was pinned already.
+        Raises PinBudgetExceeded (nothing changed)."""
+        added = False
+
+        def change(holds: dict[str, Hold]) -> None:
+            nonlocal added
+            if digest in holds and holds[digest].pinned:
+                return
+            pinned = sum(h.num_bytes for h in holds.values() if h.pinned)
+            if pinned + num_bytes > budget:
+                raise PinBudgetExceeded(num_bytes, pinned, budget)
+            hold = holds.setdefault(digest, Hold())
+            hold.pinned, hold.num_bytes, added = True, num_bytes, True
+
+        self._commit(change)
+        return added
+
+    def unpin(self, digest: str) -> bool:
+        """False when it was not pinned."""
+        removed = False
+
+        def change(holds: dict[str, Hold]) -> None:
+            nonlocal removed
+            hold = holds.get(digest)
+            if hold is not None and hold.pinned:
+                hold.pinned, hold.num_bytes, removed = False, 0, True
+
+        self._commit(change)
+        return removed
+
+    def retain(self, digest: str, seconds: float) -> None:
+        """Keep `digest` at least `seconds` from now. Never blocks on the file: the deadline is
+        written in the background when it moved far enough."""
+        until = time.time() + seconds
+        with self._lock:
+            hold = self._holds.setdefault(digest, Hold())
+            hold.retain_until = max(hold.retain_until, until)
+            stale = until - self._saved_until.get(digest, 0.0) >= _RETAIN_WRITE_SLACK_S
+            if self.path is None or not stale or self._flush_pending:
+                return
+            self._flush_pending = True
+        try:
+            self._saver.submit(self._flush_retention)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._flush_pending = False
+
+    def forget(self, digests: Iterable[str]) -> None:
+        """Drop every hold on `digests` (their entries were removed)."""
+        doomed = set(digests)
+        with self._lock:
+            if not doomed & self._holds.keys():
+                return
+            for digest in doomed:
+                self._holds.pop(digest, None)
+
+        def change(holds: dict[str, Hold]) -> None:
+            for digest in doomed:
+                holds.pop(digest, None)
+
+        self._commit(change)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._holds.clear()
+        self._commit(lambda holds: holds.clear())
+
+    def refresh(self) -> None:
+        """Take in what another process wrote since we last read the file (a cheap stat when
+        nothing changed)."""
+        if self.path is None:
+            return
+        with self._io_lock:
+            seen = _file_id(self.path)
+            if seen == self._seen:
+                return
+            on_file = self._read()
+            with self._lock:
+                self._holds = self._merged(on_file)
+            self._seen = seen
+
+    def close(self) -> None:
+        self._saver.shutdown(wait=True)
+
+    # ---- the file ------------------------------------------------------------------------------
+
+    def _flush_retention(self) -> None:
+        with self._lock:
+            self._flush_pending = False
+        self._commit(lambda holds: None)
+
+    def _commit(self, change: Change) -> None:
+        """Apply `change` to the file's records (and to ours), under the lock file. The file is
+        read and written outside `_lock`: eviction asking for a level never waits for the disk."""
+        with self._io_lock:
+            if self.path is None:
+                with self._lock:
+                    change(self._holds)
+                    _drop_expired(self._holds)
+                return
+            try:
+                with _locked(self.path.parent / _LOCK_FILE):
+                    on_file = self._read()
+                    with self._lock:
+                        holds = self._merged(on_file)
+                    change(holds)
+                    _drop_expired(holds)
+                    self._write(holds)
+            except OSError as exc:  # a read-only or full dir: kept in memory, for this process only
+                log.warning("cannot write %s (%s); pins and retention kept in memory only", self.path.name,
+                            exc.strerror or exc)
+                with self._lock:
+                    change(self._holds)
+                return
+            with self._lock:
+                self._holds = self._merged(holds)  # a retention set meanwhile is kept
+                self._saved_until = {d: h.retain_until for d, h in holds.items() if h.retain_until}
+            self._seen = _file_id(self.path)
+
+    def _merged(self, on_file: dict[str, Hold]) -> dict[str, Hold]:
+        """The file's records, with our own retention deadlines where they run longer (the file
+        may lag: they are written lazily). Pins come from the file: every pin change writes it.
+        Call with `_lock` held."""
+        now = time.time()
+        for digest, hold in self._holds.items():
+            if hold.retain_until > now:
+                target = on_file.setdefault(digest, Hold())
+                target.retain_until = max(target.retain_until, hold.retain_until)
+        return on_file
+
+    def _read(self) -> dict[str, Hold]:
+        assert self.path is not None
+        try:
+            fd, st = open_regular(self.path)
+        except FileNotFoundError:
+            return {}
+        except (OSError, CacheFault) as exc:
+            log.warning("cannot read %s (%s); no pins taken from it", self.path.name, exc)
+            return {}
+        try:
+            if st.st_size > _MAX_FILE_BYTES:
+                raise ValueError(f"{st.st_size} bytes; the limit is {_MAX_FILE_BYTES}")
+            return _parse(json.loads(_read_fd(fd, st.st_size)))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("%s is not a valid pin file (%s); no pins taken from it", self.path.name, exc)
+            return {}
+        finally:
+            os.close(fd)
+
+    def _write(self, holds: dict[str, Hold]) -> None:
+        assert self.path is not None
+        records = {d: {"pinned": h.pinned, "bytes": h.num_bytes, "retain_until": round(h.retain_until, 3)}
+                   for d, h in holds.items()}
+        data = json.dumps({"version": _VERSION, "entries": records}, separators=(",", ":")).encode()
+        temp = self.path.with_name(f".{PINS_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.replace(temp, self.path)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+
+def _drop_expired(holds: dict[str, Hold]) -> None:
+    """Drop what holds nothing any more; past _MAX_RECORDS, the retentions that end first."""
+    now = time.time()
+    for digest in [d for d, h in holds.items() if not h.live(now)]:
+        del holds[digest]
+    excess = len(holds) - _MAX_RECORDS
+    if excess > 0:
+        retained = sorted((h.retain_until, d) for d, h in holds.items() if not h.pinned)
+        for _, digest in retained[:excess]:
+            del holds[digest]
+
+
+def _file_id(path: Path) -> FileId | None:
+    try:
+        return FileId.of(os.stat(path, follow_symlinks=False))
+    except OSError:
+        return None
+
+
+def _read_fd(fd: int, size: int) -> bytes:
+    chunks, done = [], 0
+    while done < size:
+        chunk = os.pread(fd, size - done, done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _parse(doc: Any) -> dict[str, Hold]:
+    if not isinstance(doc, dict) or doc.get("version") != _VERSION or not isinstance(doc.get("entries"), dict):
+        raise ValueError("not a version-1 pin document")
+    holds: dict[str, Hold] = {}
+    for digest, record in list(doc["entries"].items())[:_MAX_RECORDS]:
+        if not _DIGEST.fullmatch(digest) or not isinstance(record, dict):
+            continue
+        pinned, num_bytes, until = record.get("pinned"), record.get("bytes"), record.get("retain_until")
+        if not isinstance(pinned, bool) or type(num_bytes) is not int or num_bytes < 0 or \
+                not isinstance(until, int | float) or isinstance(until, bool):
+            continue
+        holds[digest] = Hold(pinned, num_bytes if pinned else 0, float(until))
+    return holds
