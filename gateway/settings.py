@@ -133,6 +133,14 @@ class Settings(BaseSettings):
                                                               "previous_response_id (LRU); 0 keeps none")
     max_stored_response_bytes: Bytes = Field(64 * 1024**2, ge=0, description="Responses API: and at most this much "
                                                                              "JSON per API key")
+    max_stored_response_bytes_total: Bytes = Field(1024**3, ge=0, description=(
+        "Responses API: every API key's kept responses together, as JSON (past it, the key holding the most loses "
+        "its least recently used)"))
+    grammar_cache_bytes: Bytes = Field(256 * 1024**2, ge=0, description=(
+        "compiled grammars kept for tool calls and response_format, each API key its own (a grammar is estimated "
+        "at 40 bytes per character of its text; 0 keeps none)"))
+    tokenizer_heads_bytes: Bytes = Field(128 * 1024**2, ge=0, description=(
+        "tokenized tool-group heads kept to skip re-tokenizing them, each API key at most a quarter (0 keeps none)"))
 
     # cache
     cache: Literal["on", "off"] = Field("on", description="off: a full prefill on every request, nothing cached",
