@@ -187,6 +187,7 @@ class ResponsesRequest(_Lenient):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # as chat's: carried into its request
 
     @model_validator(mode="before")
     @classmethod
@@ -307,7 +308,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     if req.tool_choice is not None:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     fields = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
-              "temperature": req.temperature, "top_p": req.top_p}
+              "temperature": req.temperature, "top_p": req.top_p, "prompt_cache_retention": req.prompt_cache_retention}
     body.update({name: value for name, value in fields.items() if value is not None})
     if req.logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)

@@ -241,6 +241,17 @@ def test_retention_24h_keeps_a_group_under_pressure(tight: httpx.Client) -> None
     assert _cached(tight, 1) == 0
 
 
+def test_retention_24h_on_a_responses_request_keeps_its_group(tight: httpx.Client) -> None:
+    tools = [{"type": "function", **t["function"]} for t in _tools(0)]
+    resp = tight.post("/responses", json={"instructions": GROUPS[0], "input": "Where is order 42?", "tools": tools,
+                                          "max_output_tokens": 16, "prompt_cache_retention": "24h"})
+    assert resp.status_code == 200, resp.text
+    retained = [e for e in _listed(tight).values() if e["retained_until"] is not None]
+    assert len(retained) == 1 and retained[0]["retained_until"] > time.time() + 23 * 3600
+    bad = tight.post("/responses", json={"input": "Hi", "prompt_cache_retention": "1h"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_retention", bad.text
+
+
 @pytest.mark.parametrize("value", ["1h", "", "24H", 24, True, {"ttl": "24h"}])
 def test_a_bad_retention_is_a_400_naming_the_param(tight: httpx.Client, value: Any) -> None:
     resp = _chat(tight, 0, prompt_cache_retention=value)
