@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = item.path.resolve().relative_to(root).parts
         if parts[0] not in _FAST_DIRS:
             item.add_marker(pytest.mark.slow)
-        if parts[0] == "ray":
+        if parts[0] == "serve_ray":
             item.add_marker(pytest.mark.ray)
         if item.path.name in _BROWSER_FILES:
             item.add_marker(pytest.mark.browser)

@@ -29,7 +29,7 @@ def fleets(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPat
     from ray.serve.api import RunTarget
 
     from gateway.serve_ray.deployments import build_application
-    from tests.ray.conftest import REPO, ray_settings
+    from tests.serve_ray.conftest import REPO, ray_settings
 
     fleet = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("fleet-cache"), upstream_max_in_flight=CLIENTS // 2)
     baseline = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("baseline-cache"), port=fleet.port,

@@ -15,8 +15,8 @@ from gateway.api.app import create_app
 from gateway.settings import load_settings
 from tests.clients.scenario import MODEL
 from tests.clients.spec_wire import SpecWire, WireLog
+from tests.support.family_models import scripted_runtime
 from tests.support.server import LiveServer, serve_app
-from tests.tools.models import scripted_runtime
 
 REAL_TIMEOUT_S = 300.0
 SCHEMA_VIOLATIONS = "responses or chunks that break OpenAI's strict schema:\n"

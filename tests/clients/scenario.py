@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.tools.models import script
+from tests.support.family_models import script
 
 MODEL = "tiny-scripted"
 SYSTEM = "You are a retail agent. Use the tools to answer."

@@ -35,7 +35,7 @@ from tests.clients.scenario import (
     hermes_calls,
     tool_result,
 )
-from tests.tools.models import script
+from tests.support.family_models import script
 
 
 @tool

@@ -20,8 +20,8 @@ from gateway.api.app import create_app
 from gateway.settings import load_settings
 from tests.clients.scenario import ORDER_ARGS, ORDER_ID, hermes_calls, tool_result
 from tests.http.conftest import RESPONSES_KEYS
+from tests.support.family_models import script, scripted_runtime
 from tests.support.server import serve_app
-from tests.tools.models import script, scripted_runtime
 
 MODEL = "tiny-llama"
 INSTRUCTIONS = "You are a merchant assistant."

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
 from gateway.engine.constraints import GrammarError, Grammars, closed, json_grammar, tool_grammar
-from tests.tools.models import SETUPS, save_family_tokenizer
+from tests.support.family_models import SETUPS, save_family_tokenizer
 
 ORDER = ToolSpec("get_order_details", "Get an order.",
                  {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]})

@@ -4,7 +4,7 @@ prompt, less its trailing generation prompt, must be a token prefix of turn k+1'
 
 Checked per family on the real tau-bench airline histories (consecutive recorded turns of a task:
 each adds the assistant's answer or tool call, tool results and/or the user's next message), with
-the family tokenizers of tests/tools/models.py: SmolLM2's vocabulary plus each family's special
+the family tokenizers of tests/support/family_models.py: SmolLM2's vocabulary plus each family's special
 tokens and a template in the shape of its real one (chatml: SmolLM2's own, which drops tools;
 chatml-native: Qwen2.5; llama3: Llama 3.1; mistral: Mistral 7B v0.3).
 
@@ -33,7 +33,7 @@ from adapters.render import PromptRenderer, RenderError
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.prompt_tokens import PromptTokenizer
 from tests.conftest import WORKLOADS
-from tests.tools.models import SETUPS, save_family_tokenizer
+from tests.support.family_models import SETUPS, save_family_tokenizer
 
 TURNS = WORKLOADS / "tau_bench" / "airline_trajectory_turns.head150.jsonl"
 AIRLINE_TOOLS = json.loads((WORKLOADS / "tau_bench" / "tools_airline.json").read_text())

@@ -23,7 +23,7 @@ from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.jobs import Prepared
 from gateway.serving.service import ChatService
 from tests.conftest import WORKLOADS
-from tests.tools.models import SETUPS
+from tests.support.family_models import SETUPS
 
 FAMILY_SETUPS = list(SETUPS)
 # How each family writes a tool result in the prompt.

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tools.models import SETUPS
-from tests.tools.test_families import tau_turns
-from tests.tools.wire import post
+from tests.serving.test_families import tau_turns
+from tests.serving.wire import post
+from tests.support.family_models import SETUPS
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))

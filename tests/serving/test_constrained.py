@@ -11,8 +11,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.tools.models import SETUPS
-from tests.tools.wire import assemble, post, stream
+from tests.serving.wire import assemble, post, stream
+from tests.support.family_models import SETUPS
 
 FAMILIES = list(SETUPS)
 BOUNDED = {"type": "object", "properties": {
@@ -111,7 +111,7 @@ def test_response_format_json_schema_gives_valid_json_whole_and_streamed(family_
 
 def test_json_object_gives_a_json_object(family_server):
     """Scripted to write a JSON object: it comes back as written (the grammar allowed every token)."""
-    from tests.tools.models import script
+    from tests.support.family_models import script
 
     live = family_server("chatml", scripted=True)
     written = '{"city": "Paris", "days": 3}'

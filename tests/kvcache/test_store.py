@@ -13,7 +13,7 @@ from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
-from tests.cache.entries import IDENTITY, bitwise_equal, disk, make_entry
+from tests.kvcache.entries import IDENTITY, bitwise_equal, disk, make_entry
 
 TOKENS = list(range(200, 232))
 

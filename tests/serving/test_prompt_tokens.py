@@ -17,7 +17,7 @@ from adapters.families import detect_family
 from adapters.render import PromptRenderer
 from gateway.serving.prompt_tokens import PromptTokenizer
 from tests.conftest import WORKLOADS
-from tests.tools.models import SETUPS
+from tests.support.family_models import SETUPS
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "[INST]", "[/INST]", "</s>"]
 

@@ -18,7 +18,7 @@ from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.entry_file import create_locked
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
-from tests.cache.entries import bitwise_equal, disk, make_entry
+from tests.kvcache.entries import bitwise_equal, disk, make_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = list(range(100, 140))
@@ -28,7 +28,7 @@ _READER_OF_A_FIFO = """
 import json, os, sys
 from pathlib import Path
 from gateway.kvcache.disk_format import CacheFault
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 tier, entry = disk(Path(sys.argv[1])), make_entry(list(range(100, 140)))
 tier.kv_dir.mkdir(parents=True)
 os.mkfifo(tier.path_for(entry.key.digest))
@@ -150,7 +150,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings, strategies as st
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 
 KINDS = ["fifo", "dir", "socket", "link-dev-zero", "link-loop", "link-missing", "empty", "bytes", "truncated"]
 root = Path(sys.argv[1])

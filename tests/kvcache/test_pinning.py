@@ -21,7 +21,7 @@ from gateway.kvcache.pins import PINS_FILE, Level, PinBudgetExceeded, Pins
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.settings import load_settings
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 from tests.support.server import serve
 
 BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes

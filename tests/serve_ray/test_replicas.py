@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import APP_NAME, engine_name
 from tests.proxy.conftest import group_id, messages, metric, tools_of, wait_for
-from tests.ray.conftest import MODEL, REPLICAS
+from tests.serve_ray.conftest import MODEL, REPLICAS
 
 pytest.importorskip("ray.serve")
 

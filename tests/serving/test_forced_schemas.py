@@ -11,8 +11,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.tools.models import SETUPS
-from tests.tools.wire import assemble, post, stream
+from tests.serving.wire import assemble, post, stream
+from tests.support.family_models import SETUPS
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
 ROOTED = {

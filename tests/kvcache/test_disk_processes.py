@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from gateway.kvcache.keys import PrefixKey
-from tests.cache.entries import IDENTITY, bitwise_equal, disk, make_entry
+from tests.kvcache.entries import IDENTITY, bitwise_equal, disk, make_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
@@ -22,7 +22,7 @@ _ENDLESS_WRITER = """
 import sys
 from pathlib import Path
 from gateway.kvcache import disk_tier
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 real_write_entry = disk_tier.write_entry
 def write_entry_and_report(*args, **kwargs):  # the temp file is written; the rename follows
     real_write_entry(*args, **kwargs)
@@ -38,7 +38,7 @@ while True:
 _BIG_WRITER = """
 import sys
 from pathlib import Path
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 tier, i = disk(Path(sys.argv[1])), 0
 print("ready", flush=True)
 while True:
@@ -49,7 +49,7 @@ while True:
 _RACING_WRITER = """
 import sys
 from pathlib import Path
-from tests.cache.entries import bitwise_equal, disk, make_entry
+from tests.kvcache.entries import bitwise_equal, disk, make_entry
 root, me, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 tier = disk(root)
 shared = [make_entry([1000 + s] * 16, seed=1000 + s, seq_len=2048) for s in range(3)]
@@ -71,7 +71,7 @@ import json, resource, signal, sys
 from pathlib import Path
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
-from tests.cache.entries import disk, make_entry
+from tests.kvcache.entries import disk, make_entry
 entry = make_entry([7] * 16, seq_len=4096)
 store = PrefixStore(RamTier(1 << 30), disk(Path(sys.argv[1])))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG like ENOSPC, not a killed process

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.api.app import create_app
+from tests.support.family_models import SETUPS, build_family_model, family_settings, scripted_runtime
 from tests.support.server import LiveServer, serve_app
-from tests.tools.models import SETUPS, build_family_model, family_settings, scripted_runtime
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,16 @@ from safetensors.torch import save_file
 
 from gateway.kvcache.disk_format import Header
 from gateway.kvcache.entry_file import create_locked
-from tests.cache import test_restart
-from tests.cache.test_restart import GROUPS, FirstRun, _cached_tokens, _copy_cache, _message, chat_body, gateway_process
+from tests.kvcache import test_restart
+from tests.kvcache.test_restart import (
+    GROUPS,
+    FirstRun,
+    _cached_tokens,
+    _copy_cache,
+    _message,
+    chat_body,
+    gateway_process,
+)
 
 # The restart tests' module fixtures (a first run's cache dir and outputs), built once here too.
 first_run, model_dir = test_restart.first_run, test_restart.model_dir

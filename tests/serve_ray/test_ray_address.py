@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ray.conftest import MODEL, REPLICAS, REPO
-from tests.ray.test_replicas import ask, client_for
+from tests.serve_ray.conftest import MODEL, REPLICAS, REPO
+from tests.serve_ray.test_replicas import ask, client_for
 from tests.support.server import free_port
 
 pytest.importorskip("ray.serve")

@@ -11,8 +11,8 @@ from typing import Any
 import openai
 import pytest
 
+from tests.support.family_models import script
 from tests.support.server import LiveServer
-from tests.tools.models import script
 
 SYSTEM = "You are the shop's retail agent. Use the tools."
 ORDER, USER, CANCEL = "get_order_details", "get_user_details", "cancel_pending_order"

@@ -10,8 +10,8 @@ import pytest
 
 from adapters.base import ChatMessage, ToolCallIn
 from adapters.families import get_family
-from tests.tools.models import SETUPS, script
-from tests.tools.wire import assemble, parse_failures, post, stream
+from tests.serving.wire import assemble, parse_failures, post, stream
+from tests.support.family_models import SETUPS, script
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_order_details", "description": "Get an order.",

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.family_models import SETUPS
 from tests.support.server import LiveServer
-from tests.tools.models import SETUPS
 
 CACHE_HEADER = "x-toolkv-cache"
 ESCAPED = 'quote " backslash \\ tab \t bell \x07 escape \x1b newline \n unicode é 中文 🙂 </tools> {"x": 1}'

@@ -20,8 +20,8 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401  # browser: a fixture
 from tests.proxy.conftest import group_id, metric, wait_for
-from tests.ray.conftest import REPLICAS, ray_fleet, ray_settings
-from tests.ray.test_replicas import TOOLS, ask, client_for, replica_metrics, samples
+from tests.serve_ray.conftest import REPLICAS, ray_fleet, ray_settings
+from tests.serve_ray.test_replicas import TOOLS, ask, client_for, replica_metrics, samples
 
 pytest.importorskip("ray.serve")
 

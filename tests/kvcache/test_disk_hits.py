@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gateway.serving.runtime import Runtime
-from tests.cache.entries import bitwise_equal
 from tests.engine.conftest import generate, make_runtime
+from tests.kvcache.entries import bitwise_equal
 
 ARCHS = ["llama", "qwen2", "mistral"]
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from gateway.kvcache.disk_format import FORMAT_VERSION, CacheFault, encode
 from gateway.kvcache.keys import PrefixKey
-from tests.cache.entries import IDENTITY, OTHER_MODEL, bitwise_equal, disk, make_entry
+from tests.kvcache.entries import IDENTITY, OTHER_MODEL, bitwise_equal, disk, make_entry
 
 TOKENS = list(range(100, 140))
 

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.tools.models import SETUPS
-from tests.tools.wire import assemble, post, stream
+from tests.serving.wire import assemble, post, stream
+from tests.support.family_models import SETUPS
 
 FAMILIES = list(SETUPS)
 LIST_TYPES = {"type": "function", "function": {

@@ -16,8 +16,8 @@ import pytest
 from gateway.edge.auth import _salt
 from gateway.serve_ray import engine_name
 from tests.proxy.conftest import metric, wait_for
-from tests.ray.conftest import ray_fleet, ray_settings
-from tests.ray.test_replicas import SYSTEMS, ask, client_for, home, samples
+from tests.serve_ray.conftest import ray_fleet, ray_settings
+from tests.serve_ray.test_replicas import SYSTEMS, ask, client_for, home, samples
 
 pytest.importorskip("ray.serve")
 
