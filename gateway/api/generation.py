@@ -72,7 +72,8 @@ async def serve_generation(request: Request, request_id: str, prepare: Callable[
     release = state.quota.acquire(tenant.salt) if not state.keyring.open else no_release
     handed_off = False
     try:
-        planned = await state.preparer.run(lambda: prepare(arrival))
+        # in this key's turn: another key's backlog of expensive prepares does not queue ahead of it
+        planned = await state.preparer.run(lambda: prepare(arrival), tenant=tenant.salt)
         response = await respond(planned, release)
         handed_off = isinstance(response, EventSourceResponse)
         return response

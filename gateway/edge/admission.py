@@ -3,7 +3,10 @@
 - `Preparer`: parsing, validating, rendering and tokenizing run on a small pool of worker
   threads, never on the event loop (a 4 MB prompt takes the loop's time from `/health` and from
   every other stream otherwise). The pool is bounded: past `max_pending` requests waiting for it,
-  a request gets 429.
+  a request gets 429. It is fair between tenants: each tenant has its own FIFO queue, and a free
+  worker takes the next job of the waiting tenant with the fewest prepares running (ties: the one
+  served longest ago), so one key's backlog of expensive prepares delays another key's request by
+  at most one of its running prepares, not by the whole backlog.
 - `TenantQuota`: each API key may have at most `limit` chat requests queued or running, so one
   key cannot fill the engine's queue and starve the others (429 + `Retry-After`). The open
   gateway (no keys) has one tenant and only the engine's global queue bound.
@@ -15,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from gateway.errors import Overloaded
+from gateway.errors import Overloaded, ShuttingDown
 
 T = TypeVar("T")
 
@@ -33,21 +36,131 @@ RETRY_AFTER = {"Retry-After": "1"}
 class Preparer:
     def __init__(self, max_pending: int, workers: int = PREPARE_WORKERS) -> None:
         self.max_pending = max_pending
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="toolkv-prepare")
         self._pending = 0  # only touched on the event loop
+        self._lock = threading.Condition()
+        self._queues: dict[str, deque[_Job]] = {}  # tenant -> its jobs not yet started, oldest first
+        self._order: deque[str] = deque()  # tenants with queued jobs, served longest ago first
+        self._running: Counter[str] = Counter()  # tenant -> its jobs on a worker now
+        self._closed = False
+        self._workers = workers
+        self._threads: list[threading.Thread] = []  # started with the first job
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    async def run(self, fn: Callable[[], T], tenant: str = "") -> T:
+        """`fn()` on a prepare thread, in `tenant`'s turn; a cancelled caller's job never starts."""
         if self._pending >= self.max_pending:
             raise Overloaded("the server is busy: too many requests are being prepared; retry shortly",
                              headers=RETRY_AFTER)
+        job = _Job(fn, tenant)
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down; retry on another instance")
+            queue = self._queues.get(tenant)
+            if queue is None:
+                queue = self._queues[tenant] = deque()
+                self._order.append(tenant)
+            queue.append(job)
+            self._lock.notify()
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"toolkv-prepare_{i}", daemon=True)
+                                 for i in range(self._workers)]
+                for thread in self._threads:
+                    thread.start()
         self._pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            if job.future.cancel():  # not started yet: it never will be
+                self._drop(job)
+            raise
         finally:
             self._pending -= 1
 
+    def waiting(self, tenant: str = "") -> int:
+        """How many of `tenant`'s jobs wait for a worker (not counting the running ones)."""
+        with self._lock:
+            return len(self._queues.get(tenant, ()))
+
+    def running(self, tenant: str = "") -> int:
+        with self._lock:
+            return self._running[tenant]
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            for queue in self._queues.values():
+                for job in queue:
+                    job.future.cancel()
+            self._queues.clear()
+            self._order.clear()
+            self._lock.notify_all()
+
+    def _next(self) -> _Job | None:
+        """The next job to run (under the lock): the oldest of the waiting tenant with the fewest
+        jobs running, the longest-unserved tenant first among equals; None once closed."""
+        while not self._order:
+            if self._closed:
+                return None
+            self._lock.wait()
+        tenant = min(self._order, key=self._running.__getitem__)  # min keeps the first of equals
+        self._order.remove(tenant)
+        queue = self._queues[tenant]
+        job = queue.popleft()
+        if queue:
+            self._order.append(tenant)
+        else:
+            del self._queues[tenant]
+        self._running[tenant] += 1
+        return job
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next()
+            if job is None:
+                return
+            try:
+                job.execute()
+            finally:
+                with self._lock:
+                    self._running[job.tenant] -= 1
+                    if self._running[job.tenant] <= 0:
+                        del self._running[job.tenant]
+
+    def _drop(self, job: _Job) -> None:
+        """Forget a cancelled job still in its queue (its body is not kept until a worker skips it)."""
+        with self._lock:
+            queue = self._queues.get(job.tenant)
+            if queue is None or job not in queue:
+                return
+            queue.remove(job)
+            if not queue:
+                del self._queues[job.tenant]
+                self._order.remove(job.tenant)
+
+
+class _Job:
+    __slots__ = ("fn", "future", "tenant")
+
+    def __init__(self, fn: Callable[[], Any], tenant: str) -> None:
+        self.fn = fn
+        self.tenant = tenant
+        self.future: Future[Any] = Future()
+
+    def execute(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # its caller went away while it waited
+        try:
+            result = self.fn()
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+        finally:
+            self.fn = _spent  # nothing the request held stays reachable from the finished job
+
+
+def _spent() -> None:
+    return None
 
 
 class TenantQuota:
