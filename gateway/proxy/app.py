@@ -182,7 +182,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
     handed_off = False
     try:
         salt_for = functools.partial(state.keyring.salt_for, tenant)
-        fwd = await state.preparer.run(lambda: shape(kind, parse_object(body), state.settings, salt_for))
+        fwd = await state.preparer.run(lambda: shape(kind, parse_object(body), state.settings, salt_for),
+                                       tenant=tenant.salt)
         response = await _forward(request, fwd, received, release, tenant)
         handed_off = isinstance(response, RelayResponse)
         return response
