@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 
 if TYPE_CHECKING:  # the engine package imports torch; metrics need only its report's shape
     from gateway.engine.stats import EngineStats, StepRecord
@@ -27,6 +27,11 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 VLLM_LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"  # one engine per gateway process
+
+# No `<name>_created` series (a start timestamp per counter, histogram and label set: lines no
+# dashboard here reads). prometheus_client reads this process-wide switch each time it writes
+# samples, so every registry in the process (the proxy's too) goes without.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 
 class Metrics:

@@ -68,10 +68,12 @@ async def stats(request: Request) -> JSONResponse:
     families = list(metrics.registry.collect())
     windows = ttft_windows(app)
     windows.sample(metrics.ttft, time.time())
+    points = windows.to_json()
     return JSONResponse({
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
         "totals": totals(families), "engine": engine(families, metrics.engine) if runtime is not None else None,
-        "ttft_windows": windows.to_json(), "window_s": windows.window_s, "groups": ram_groups(runtime)})
+        "ttft_windows": points, "ttft_ceiling_ms": ttft_ceiling_ms(points), "window_s": windows.window_s,
+        "groups": ram_groups(runtime)})
 
 
 def _asset(name: str) -> FileResponse:
@@ -252,6 +254,32 @@ class TtftWindows:
         if not self._windows or self._windows[-1].start_s != start_s:
             self._windows.append(Window(start_s))
         return self._windows[-1]
+
+
+CHART_SERIES = (("hit", "p50_ms"), ("hit", "p95_ms"), ("miss", "p50_ms"), ("miss", "p95_ms"))
+OUTLIER_FACTOR = 5.0
+
+
+def ttft_ceiling_ms(windows: Sequence[dict[str, Any]]) -> float | None:
+    """The TTFT chart's y-axis top: the highest point that is not an outlier (None: no point). A
+    point is an outlier when it is more than OUTLIER_FACTOR times the median of its series' other
+    points (hit or miss, p50 or p95): one slow window (the first request after start, a machine
+    that paused) would otherwise squash every other point against the axis. The page draws a point
+    above the ceiling at the top, marked with its value."""
+    ceiling: float | None = None
+    for label, key in CHART_SERIES:
+        values = sorted(float(w[label][key]) for w in windows if label in w and w[label].get(key) is not None)
+        for i, value in enumerate(values):
+            others = values[:i] + values[i + 1 :]  # still sorted
+            if others and value > OUTLIER_FACTOR * _median(others):
+                continue
+            ceiling = value if ceiling is None else max(ceiling, value)
+    return ceiling
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def ttft_windows(app: FastAPI) -> TtftWindows:

@@ -1,11 +1,14 @@
-"""Run `toolkv bench`: the scenarios over HTTP (with a progress bar), then the floor in-process;
-write bench.json and the plots into --out and print the table."""
+"""Run `toolkv bench`: the scenarios over HTTP (with a progress bar on stderr), then, for a server on
+another machine or with --floor, the floor in-process; write bench.json, the plots and report.html
+into --out and print the measurements (the table, or with --json the whole report); with --check,
+also the run against toolkv's own targets, which decide the exit status."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -22,12 +25,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.bench.bfcl import ConstrainedRows, RowsError
+from gateway.bench.checks import check_lines, checks
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
 from gateway.bench.constrained import load_rows
 from gateway.bench.context import BaselineFleet, Context, Plan, ScenarioResult
 from gateway.bench.fleet import FixedBaseline
-from gateway.bench.floor import FloorProbe, FloorResult, measure_floor
-from gateway.bench.names import ONLY_WHEN_NAMED
+from gateway.bench.floor import (
+    FLOOR_DISABLED,
+    FLOOR_LOCAL,
+    FLOOR_QUICK,
+    FloorProbe,
+    FloorResult,
+    measure_floor,
+    server_is_local,
+)
+from gateway.bench.html_report import write_html
+from gateway.bench.names import ONLY_WHEN_NAMED, QUICK_SCENARIOS
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS
@@ -39,9 +52,13 @@ from gateway.settings import DEFAULT_CONFIG, load_settings
 FLOOR_QUESTIONS = 5
 
 
+PIPED_WIDTH = 1000  # a table written to a pipe or a file is never cut to 80 columns
+
+
 def run(args: argparse.Namespace) -> int:
-    console, progress_console = Console(), Console(stderr=True)
-    names = args.scenario or [n for n in SCENARIOS if (n != "restart" or args.spawn) and n not in ONLY_WHEN_NAMED]
+    progress_console = Console(stderr=True)
+    console = progress_console if args.json else _stdout_console()
+    names = args.scenario or _default_scenarios(args)
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
         trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
@@ -59,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     cache_dir, own_cache = _cache_dir(args)
     started = time.perf_counter()
     try:
-        results, floors, floor_skipped, meta = asyncio.run(
+        results, (floors, floor_skipped, shares_cpu), meta = asyncio.run(
             _run_http(args, names, plan, catalog, (trajectories, rows), out_dir, cache_dir, progress_console))
     except ServerFailed as exc:
         progress_console.print(f"toolkv bench: {exc}")
@@ -68,12 +85,32 @@ def run(args: argparse.Namespace) -> int:
         if own_cache and cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
     meta["duration_s"] = round(time.perf_counter() - started, 1)
-    report = build_report(meta, results, floors, floor_skipped)
+    report = build_report(meta, results, floors, floor_skipped, shares_cpu)
+    found = checks(report) if args.check else []
+    if args.check:
+        report["checks"] = [c.to_dict() for c in found]
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
-    plots = write_plots(report, out_dir)
-    print_table(report, console)
-    console.print(f"wrote {out_dir / 'bench.json'}, " + ", ".join(str(p) for p in plots))
-    return 0
+    written = [out_dir / "bench.json", *write_plots(report, out_dir)]
+    written.append(write_html(report, written[1:], out_dir / "report.html"))
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        print_table(report, console)
+    for line in check_lines(found) if args.check else []:
+        console.print(line, soft_wrap=True, highlight=False)
+    progress_console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, highlight=False)
+    return 1 if any(c.result == "missed" for c in found) else 0
+
+
+def _stdout_console() -> Console:
+    """The measurements' console: a terminal's width, or when piped wide enough for every table."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+
+
+def _default_scenarios(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return list(QUICK_SCENARIOS)
+    return [n for n in SCENARIOS if (n != "restart" or args.spawn) and n not in ONLY_WHEN_NAMED]
 
 
 def _plan(args: argparse.Namespace) -> Plan:
@@ -127,29 +164,34 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
 async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, catalog: list[dict[str, Any]],
                     loaded: tuple[Trajectories | None, ConstrainedRows | None], out_dir: Path, cache_dir: Path | None,
                     console: Console
-                    ) -> tuple[list[ScenarioResult], dict[int, FloorResult], str | None, dict[str, Any]]:
+                    ) -> tuple[list[ScenarioResult], tuple[dict[int, FloorResult], str | None, bool], dict[str, Any]]:
     spawn_env = _spawn_env(args, names, plan) if cache_dir is not None else {}
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
                            config=args.config, replicas=args.replicas, env=spawn_env) if cache_dir is not None else None
     clock_zero = time.perf_counter()
     if server is not None:
         console.print(f"starting toolkv serve (log: {server.log_path}) ...")
+    settings = asyncio.create_task(asyncio.to_thread(_server_settings, args))  # beside the server's start
     base_url = await server.start() if server is not None else args.base_url
     client = BenchClient(base_url, args.api_key, args.timeout, clock_zero)
     try:
         served = await client.served_model()
+        version = await client.get_json("/version")
         model = (args.model if not args.spawn else None) or served
         workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
         baseline = _baseline(args, server, client)
         results = await _run_scenarios(names, client, workload, plan, loaded, server, baseline, console)
-        floors, floor_skipped = await _floors(args, served, plan, results, client, workload, console)
+        floor = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
         if server is not None:
             await server.stop()
-    return results, floors, floor_skipped, _meta(args, plan, client.base_url, served, workload, spawn_env)
+    meta = _meta(args, plan, client.base_url, served, workload, spawn_env)
+    meta["settings"] = {**await settings, "model": served,
+                        "server_version": version.get("version") if isinstance(version, dict) else None}
+    return results, floor, meta
 
 
 def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[str, str]:
@@ -212,28 +254,64 @@ def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | Non
 
 async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
                   client: BenchClient, workload: Workload,
-                  console: Console) -> tuple[dict[int, FloorResult], str | None]:
-    """The floor per group size, each timing paired with an HTTP hit; or why it was skipped."""
+                  console: Console) -> tuple[dict[int, FloorResult], str | None, bool]:
+    """The floor per group size, each timing paired with an HTTP hit, or why it was skipped; and
+    whether it shared the CPU with the server. By default it runs only for a server on another
+    machine: beside the server, the two slow each other down (once a floor of 4.9 s against a
+    470 ms hit), so only `--floor` measures it there, labelled unreliable."""
+    shares_cpu = bool(args.spawn) or server_is_local(args.base_url)
     if args.no_floor:
-        return {}, "disabled with --no-floor"
+        return {}, FLOOR_DISABLED, shares_cpu
+    if shares_cpu and not args.floor:
+        return {}, FLOOR_LOCAL, shares_cpu
+    if args.quick and not args.floor:
+        return {}, FLOOR_QUICK, shares_cpu
     groups = _floor_groups(results, plan, args.quick)
     if not groups:
-        return {}, "no hit on a group of the tool catalog to pair it with"
+        return {}, "no hit on a group of the tool catalog to pair it with", shares_cpu
     probe = None
     try:
         settings = _floor_settings(args, served)
         if settings is None:
-            return {}, "the server's model is not the configured one: pass --floor-model"
+            return {}, "the server's model is not the configured one: pass --floor-model", shares_cpu
         with console.status(f"measuring the floor in-process ({settings.model}, groups {', '.join(groups)}) ..."):
             probe = await asyncio.to_thread(FloorProbe, settings)
             measured = [await measure_floor(probe, client, workload, workload.group(label, n),
                                             3 if args.quick else FLOOR_QUESTIONS) for label, n in groups.items()]
     except Exception as exc:
-        return {}, f"{type(exc).__name__}: {exc}"
+        return {}, f"{type(exc).__name__}: {exc}", shares_cpu
     finally:
         if probe is not None:
             probe.close()
-    return {f.num_tools: f for f in measured}, None
+    return {f.num_tools: f for f in measured}, None, shares_cpu
+
+
+def _server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What the report says the run used: toolkv's version here and, for a spawned server, the
+    device, dtype and attention backend it resolves its settings to (unknown for another server)."""
+    out: dict[str, Any] = {"toolkv_version": _toolkv_version(), "device": None, "dtype": None, "backend": None}
+    if not args.spawn:
+        return out
+    try:
+        # lazy: the engine packages load torch, which nothing else here needs
+        from gateway.engine.model_loader import pick_device, pick_dtype
+        from gateway.serving.runtime import engine_plan
+
+        config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+        settings = load_settings(config, {"model": args.model})
+        device = pick_device(settings.device)
+        out.update(device=str(device), dtype=str(pick_dtype(settings.dtype, device)).removeprefix("torch."),
+                   backend=engine_plan(settings, device).kernels)
+    except Exception as exc:  # the report says so; the measurements stand
+        out["settings_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _toolkv_version() -> str:
+    try:
+        return importlib.metadata.version("toolkv")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:

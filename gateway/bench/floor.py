@@ -2,26 +2,61 @@
 (after the scenarios, while the server idles), compiles a group's prefix once, then times what a
 hit must do on the engine thread: restore the prefix KV and prefill the suffix.
 
-Each floor timing is paired with a real HTTP hit on the same group sent just before it, so the
-overhead (HTTP TTFT - floor) compares two numbers taken under the same machine load. Also timed:
-`prepare` (render + tokenize, in the server's event loop) and the engine's own hit prefill
-through a queued job (adds key hash and lookup).
+It runs by default only for a server on another machine (`server_is_local`): beside the server on
+the same cores the two slow each other down, so there only `--floor` measures it, labelled
+unreliable. Each floor timing is paired with a real HTTP hit on the same group sent just before
+it, so the overhead (HTTP TTFT - floor) compares two numbers taken under the same machine load.
+Also timed: `prepare` (render + tokenize, in the server's event loop) and the engine's own hit
+prefill through a queued job (adds key hash and lookup).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import queue
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.bench.client import BenchClient, Sample
 from gateway.bench.workload import ToolGroup, Workload
 from gateway.metrics import Metrics
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.settings import Settings
+
+FLOOR_DISABLED = "disabled with --no-floor"
+FLOOR_QUICK = "not measured with --quick (--floor measures it)"
+FLOOR_LOCAL = ("not measured: the server runs on this machine, where the floor would share its CPU "
+               "(--floor measures it anyway, labelled unreliable)")
+
+
+def server_is_local(base_url: str | None) -> bool:
+    """Whether `base_url` names this machine (loopback, an unspecified address, this host's name or
+    one of its addresses): a server there shares the cores an in-process floor would run on."""
+    host = urlsplit(base_url or "").hostname
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+        if address.is_loopback or address.is_unspecified:
+            return True
+    except ValueError:
+        if host.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()}:
+            return True
+    return bool(_addresses(host) & (_addresses(socket.gethostname()) | {"127.0.0.1", "::1"}))
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 class FloorError(RuntimeError):

@@ -45,8 +45,7 @@ def history_lines(h: dict[str, Any]) -> list[str]:
         f"history: {_n(h['tokens_sent'])} prompt tokens in {len(h['samples']):,} requests over "
         f"{h['conversations']:,} conversations ({h['window']} live at once, up to {h['turns']} turns of "
         f"~{h['words']} words), {h['errors']} errors; {size}; computed {_n(h['computed_tokens'])} tokens{cycled}",
-        f"history: server RSS (MB) every 10%: {shown or '-'}; growth {_n(growth, 1)} MB{share} "
-        f"(target: at most {TARGET_HISTORY_RSS_GROWTH:.0%})",
+        f"history: server RSS (MB) every 10%: {shown or '-'}; growth {_n(growth, 1)} MB{share}",
         f"history: conversation records at the end {_n(h['conversation_records'])}, evicted "
         f"{_n(h['conversation_evictions'])}, tokens reused from records {_n(h['conversation_hit_tokens'])}; "
         f"later turns that found their record {later['record_found']:,} of {later['n']:,}",

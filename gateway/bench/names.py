@@ -4,3 +4,8 @@ importing the scenarios (the bench extra), and the registry (scenarios) is check
 SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
                   "history", "constrained", "fleet")
 ONLY_WHEN_NAMED = ("history", "constrained", "fleet")
+# `--quick` without --scenario: what a new user needs first (a miss, hits on the same tools, groups
+# taking turns), about a minute on a 2-core CPU with the default model, the server's start included.
+QUICK_SCENARIOS = ("single", "interleaved")
+QUICK_RUN = ("the single scenario (one 10-tool group: a miss, then 3 hits) and interleaved (2 groups, each "
+             "sent twice), 4 tokens per answer, no floor")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.names import SCENARIO_NAMES
+from gateway.bench.names import QUICK_RUN, QUICK_SCENARIOS, SCENARIO_NAMES
 from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJECTORY_TOOLS_FILE
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
@@ -33,7 +33,8 @@ def register(sub: Any) -> None:
                                     "with --spawn, also what the server loads")
     p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
                    help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, constrained and fleet, "
-                        "which run only when named; restart only with --spawn)")
+                        "which run only when named; restart only with --spawn; with --quick: "
+                        f"{' and '.join(QUICK_SCENARIOS)})")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
     p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")
@@ -80,13 +81,25 @@ def register(sub: Any) -> None:
     p.add_argument("--tools-in-system", action="store_true",
                    help="write the tools into the system message instead of `tools` (for servers whose chat "
                         "template drops tools, e.g. llama.cpp's chatml): every server sees the same text")
-    p.add_argument("--quick", action="store_true", help="a smaller run (about a minute on the default model)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: " + QUICK_RUN + "; about a minute on a 2-core CPU with the default model, "
+                        "the server's start included")
     p.add_argument("--api-key", help="sent as a bearer token")
     p.add_argument("--config", help="settings file for --spawn and the floor (default: config/toolkv.toml)")
     p.add_argument("--cache-dir", help="with --spawn: the server's cache dir (default: a temporary one)")
     p.add_argument("--floor-model", help="model to load in-process for the floor (default: the spawned "
                                          "model, or the configured one when the server serves it)")
-    p.add_argument("--no-floor", action="store_true", help="skip the in-process floor measurement")
+    floor = p.add_mutually_exclusive_group()
+    floor.add_argument("--floor", action="store_true",
+                       help="load the model in the bench's own process and time its floor (restore + suffix "
+                            "prefill) even when the server runs on this machine: it then shares the CPU with the "
+                            "server and is labelled unreliable (default: only for a server on another machine)")
+    floor.add_argument("--no-floor", action="store_true", help="never measure the in-process floor")
+    p.add_argument("--check", action="store_true",
+                   help="also check the run against toolkv's own performance targets (set on its development "
+                        "machine with the default model): one line each, and exit status 1 when one is missed")
+    p.add_argument("--json", action="store_true",
+                   help="print the whole report as JSON on stdout (progress and messages go to stderr)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     p.set_defaults(func=_run)
 
@@ -96,7 +109,14 @@ def _run(args: argparse.Namespace) -> int:
         # lazy: command needs the bench extra (httpx, rich, matplotlib); the CLI imports this module for every command
         from gateway.bench.command import run
     except ImportError as exc:
-        print(f"toolkv bench needs the bench extra ({exc.name} is missing): pip install 'toolkv[bench]'",
-              file=sys.stderr)
+        print(f"toolkv bench needs the bench extra ({exc.name} is missing): {install_hint()}", file=sys.stderr)
         return 2
     return run(args)
+
+
+def install_hint() -> str:
+    """How to install the bench extra: into this checkout when toolkv runs from one, else by name."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "gateway").is_dir():
+        return f'pip install -e ".[bench]" (in {root})'
+    return 'pip install "toolkv[bench]"'

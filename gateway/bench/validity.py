@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jsonschema import Draft202012Validator, exceptions, validators  # type: ignore[import-untyped]
+
 # The call syntax of the families toolkv serves (Hermes/ChatML, Llama 3, Mistral) and their turn
 # markers: none may reach `content`.
 MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<|im_start|>", "<|im_end|>",
@@ -136,9 +138,6 @@ def answer_problem(answer: Answer, schema: dict[str, Any] | None) -> str | None:
 
 def schema_problem(instance: Any, schema: dict[str, Any]) -> str | None:
     """The most relevant error of `instance` against `schema` (its own draft, else 2020-12)."""
-    # lazy: jsonschema is not in the bench extra; only the constrained scenario's answers are checked with it
-    from jsonschema import Draft202012Validator, exceptions, validators  # type: ignore[import-untyped]
-
     validator = validators.validator_for(schema, default=Draft202012Validator)(schema)
     error = exceptions.best_match(validator.iter_errors(instance))
     if error is None:

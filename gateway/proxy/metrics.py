@@ -1,6 +1,7 @@
 """Proxy mode's Prometheus metrics, one registry per app. The client-facing series keep the model
 app's names (`toolkv_requests_total`, `toolkv_requests_in_flight`); what depends on where a
-request went carries an `upstream` label (the configured base URL: a bounded set)."""
+request went carries an `upstream` label (the configured base URL: a bounded set). Without
+`_created` series, as the model app's (gateway/metrics.py turns them off for the process)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """`toolkv bench` end to end against a tiny random-weight model served on 127.0.0.1: the report
-has its structure, the classes come from cached_tokens, and the plots are real PNG files."""
+has its structure, the classes come from cached_tokens, the plots are real PNG files beside a
+report.html; piped, the table is whole and carries no targets; `--json` prints only the report."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,15 +21,23 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def report(live: LiveServer, tiny_model_dir: Callable[..., Path],
-           tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+def run(live: LiveServer, tiny_model_dir: Callable[..., Path],
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+    """The report, its folder, and what the command printed on stdout (a pipe, not a terminal)."""
     out = tmp_path_factory.mktemp("bench-out")
-    code = main(["bench", "--base-url", live.base_url, "--quick", "--out", str(out), "--tools", "4",
-                 "--tool-counts", "2,4,100", "--groups", "3", "--clients", "3",
-                 "--scenario", "single", "toolcount", "interleaved", "restart", "concurrent",
-                 "--floor-model", str(tiny_model_dir("llama"))])
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", "--base-url", live.base_url, "--quick", "--out", str(out), "--tools", "4",
+                     "--tool-counts", "2,4,100", "--groups", "3", "--clients", "3",
+                     "--scenario", "single", "toolcount", "interleaved", "restart", "concurrent",
+                     "--floor", "--floor-model", str(tiny_model_dir("llama"))])
     assert code == 0
-    return json.loads((out / "bench.json").read_text()), out
+    return json.loads((out / "bench.json").read_text()), out, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def report(run: tuple[dict[str, Any], Path, str]) -> tuple[dict[str, Any], Path]:
+    return run[0], run[1]
 
 
 def test_report_has_every_scenario_with_stats_per_class(report):
@@ -34,10 +45,11 @@ def test_report_has_every_scenario_with_stats_per_class(report):
     assert data["toolkv_bench"] == 1 and data["model"] == "tiny-llama"
     assert set(data["scenarios"]) == {"single", "toolcount", "interleaved", "restart", "concurrent"}
     single = data["scenarios"]["single"]
-    for cls in ("miss", "hit", "bypass"):
+    for cls in ("miss", "hit"):
         assert single["classes"][cls]["n"] >= 1
         assert single["classes"][cls]["ttft_ms"]["p50"] > 0
         assert single["classes"][cls]["ttft_ms"]["p95"] >= single["classes"][cls]["ttft_ms"]["p50"]
+    assert single["classes"]["bypass"]["n"] == 0  # --quick sends no bypass request
     assert single["classes"]["errors"]["n"] == 0
     sample = single["samples"][0]
     assert {"ttft_s", "total_s", "cached_tokens", "prompt_tokens", "completion_tokens", "cache"} <= set(sample)
@@ -80,13 +92,17 @@ def test_restart_without_spawn_is_reported_as_skipped(report):
 
 
 def test_floor_and_hit_overhead_are_measured(report):
+    """--floor beside a server on this machine: measured, labelled unreliable, never negative."""
     data = report[0]
     assert data["floor"]["skipped"] is None
+    assert data["floor"]["note"] == "unreliable: shares the CPU with the server"
     floor = data["floor"]["by_tools"]["4"]
+    assert floor["shares_cpu"] is True
     assert floor["prefix_tokens"] > 8 and floor["suffix_tokens"] > 0
     assert floor["floor_ms"]["p50"] > 0 and floor["engine_hit_prefill_ms"]["p50"] > 0
     assert floor["n"] == 3 and floor["paired_http_hit_ttft_ms"]["p50"] > 0  # every paired request was a hit
-    assert floor["paired_overhead_ms"]["p50"] is not None
+    overhead = floor["paired_overhead_ms"]["p50"]
+    assert (overhead is None) == (floor["negative_pairs"] == 3) and (overhead is None or overhead >= 0)
     single = data["scenarios"]["single"]
     assert single["overhead_from"] == "server-timing"  # toolkv says where each request's time went
     hits = [s for s in single["samples"] if s["cache"] == "hit"]
@@ -113,3 +129,45 @@ def test_plots_are_png_files(report):
         with Image.open(path) as image:
             image.verify()
             assert image.size[0] > 200 and image.size[1] > 200
+
+
+def test_html_report_beside_the_plots_names_the_settings(report):
+    data, out = report
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "</html>" in page
+    assert data["settings"]["toolkv_version"] and data["settings"]["server_version"]
+    for text in ("tiny-llama", "device", "attention backend", "toolkv version", data["finished_at"], "<table"):
+        assert text in page, text
+    plots = sorted(path.name for path in out.glob("*.png"))
+    assert plots == ["concurrency.png", "timeline.png", "ttft_vs_tools.png"]
+    assert page.count("data:image/png;base64,") == len(plots)  # embedded: the page stands alone
+    assert "http://" not in page.replace(data["base_url"], "")  # nothing loads from anywhere
+
+
+def test_piped_output_is_whole_and_has_measurements_only(run):
+    data, _, stdout = run
+    assert "…" not in stdout  # no column cut to the 80 columns of a terminal that is not there
+    assert "targets" not in stdout and "=True" not in stdout and "=False" not in stdout
+    single = data["scenarios"]["single"]
+    row = next(line for line in stdout.splitlines() if line.strip().startswith("single"))
+    assert f"{single['classes']['hit']['ttft_ms']['p50']:.0f}" in row and f"{single['speedup']:.1f}x" in row
+    assert "unreliable: shares the CPU with the server" in stdout
+    assert "wrote" not in stdout  # the files written are said on stderr
+
+
+def test_json_prints_only_the_report_and_check_sets_the_exit_status(live: LiveServer, tmp_path: Path, capsys):
+    code = main(["bench", "--base-url", live.base_url, "--quick", "--tools", "4", "--scenario", "single",
+                 "--out", str(tmp_path), "--json", "--check"])
+    out, err = capsys.readouterr()
+    printed = json.loads(out)  # nothing else on stdout
+    assert printed == json.loads((tmp_path / "bench.json").read_text())
+    assert printed["floor"]["skipped"].startswith("not measured: the server runs on this machine")
+    results = {c["name"]: c["result"] for c in printed["checks"]}
+    assert set(results) == set(printed["targets"])
+    assert results["hit_speedup_at_least_15x"] in ("ok", "missed")
+    assert results["rss_flat_over_soak"] == "not measured"
+    assert code == (1 if "missed" in results.values() else 0)
+    assert "check: " in err and "measured targets missed" in err
+    for name, result in results.items():
+        if result == "missed":
+            assert f"MISSED {name}: " in err

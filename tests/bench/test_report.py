@@ -1,16 +1,32 @@
-"""Report arithmetic on hand-made samples: percentiles, classes, speedup, the floor's overhead."""
+"""Report arithmetic on hand-made samples: percentiles, classes, speedup, the floor's overhead; the
+checks of --check, where the floor runs, the quick run and the install hint."""
 
 from __future__ import annotations
 
 import argparse
+import socket
+import sys
 
 import pytest
 
+from gateway.bench.checks import check_lines, checks
 from gateway.bench.client import Sample, parse_server_timing
-from gateway.bench.command import _plan
-from gateway.bench.floor import FloorResult
-from gateway.bench.options import register
-from gateway.bench.report import block, concurrent_stats, overlap_stats, percentile, targets
+from gateway.bench.command import _default_scenarios, _plan, _stdout_console
+from gateway.bench.context import ScenarioResult
+from gateway.bench.floor import FloorResult, server_is_local
+from gateway.bench.names import QUICK_SCENARIOS
+from gateway.bench.options import _run, install_hint, register
+from gateway.bench.report import (
+    block,
+    build_report,
+    concurrent_stats,
+    floor_dict,
+    overlap_stats,
+    percentile,
+    print_table,
+    targets,
+)
+from gateway.bench.scenarios import SCENARIOS
 
 
 def sample(ttft_s: float, cached: int | None, *, bypass: bool = False, expected: str = "any",
@@ -165,3 +181,84 @@ def test_agent_options():
     for bad in (("--conversations", "0"), ("--agent-max-tokens", "0")):
         with pytest.raises(ValueError, match=bad[0]):
             _plan(_args(*bad))
+
+
+def _floor(floor_ms: tuple[float, ...], http_ms: tuple[float | None, ...]) -> FloorResult:
+    return FloorResult("main", 20, 2990, 30, 8.0, floor_ms, (0.0,) * len(floor_ms), (2.0,) * len(floor_ms),
+                       floor_ms, http_ttft_ms=http_ms)
+
+
+def test_a_floor_slower_than_its_hit_gives_no_overhead_not_a_negative_one():
+    out = floor_dict(_floor((4900.0, 400.0, 410.0), (470.0, 430.0, None)), shares_cpu=True)
+    assert out["paired_overhead_ms"]["p50"] == 30.0 and out["negative_pairs"] == 1 and out["shares_cpu"] is True
+    assert floor_dict(_floor((4900.0,), (470.0,)))["paired_overhead_ms"] == {"p50": None, "p95": None}
+    busy = block([sample(8.0, 0), sample(0.47, 2990)], {20: _floor((4900.0,), (470.0,))})
+    assert busy["floor_ms_p50"] == 4900.0 and busy["hit_overhead_ms"] is None  # probe floor above the hit
+
+
+def test_a_floor_beside_the_server_is_labelled_and_never_stands_in_for_the_overhead():
+    result = ScenarioResult("single", samples=[sample(8.0, 0), sample(0.45, 2990), sample(0.46, 2990)])
+    floors = {20: _floor((300.0, 310.0, 320.0), (450.0, 460.0, 455.0))}
+    shared = build_report({}, [result], floors, None, floor_shares_cpu=True)
+    assert shared["floor"]["note"] == "unreliable: shares the CPU with the server"
+    assert "hit_overhead_ms" not in shared["scenarios"]["single"]  # the probe's floor is not used
+    assert shared["targets"]["hit_overhead_under_20ms"] is None
+    remote = build_report({}, [result], floors, None)
+    assert remote["floor"]["note"] is None and remote["scenarios"]["single"]["hit_overhead_ms"] == 145.0
+    assert remote["targets"]["hit_overhead_under_20ms"] is False  # the probe's pairing: 145 ms
+
+
+def test_checks_say_what_was_measured_and_which_targets_were_missed():
+    report = {"scenarios": {"single": {"speedup": 9.5, "hit_overhead_ms": 12.0},
+                            "soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}}, "floor": {"by_tools": {}}}
+    report["targets"] = targets(report["scenarios"])
+    found = {c.name: c for c in checks(report)}
+    assert len(found) == 16
+    assert found["hit_speedup_at_least_15x"].result == "missed"
+    assert "9.50x" in found["hit_speedup_at_least_15x"].line and ">= 15x" in found["hit_speedup_at_least_15x"].line
+    assert found["hit_overhead_under_20ms"].result == "ok" and "+12.0 ms" in found["hit_overhead_under_20ms"].line
+    assert found["rss_flat_over_soak"].result == "missed" and "+15.7%" in found["rss_flat_over_soak"].line
+    assert found["restart_at_least_10x_faster"].result == "not measured"
+    lines = check_lines(list(found.values()))
+    assert lines[0] == "check: 2 of 3 measured targets missed (13 not measured by this run's scenarios)"
+    assert lines[1].startswith("  MISSED hit_speedup_at_least_15x: ") and len(lines) == 4
+
+
+def test_the_table_carries_measurements_only():
+    result = ScenarioResult("single", samples=[sample(8.0, 0), sample(0.45, 2990)])
+    report = build_report({"model": "m", "base_url": "http://x"}, [result], {}, "why not", False)
+    console = _stdout_console()
+    with console.capture() as captured:
+        print_table(report, console)
+    text = captured.get()
+    assert "single" in text and "17.8x" in text and "target" not in text and "True" not in text
+
+
+def test_the_console_is_wide_when_piped(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert _stdout_console().width >= 200
+
+
+def test_the_floor_runs_by_default_only_for_a_server_on_another_machine():
+    for url in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:8000", "http://0.0.0.0:8000",
+                f"http://{socket.gethostname()}:8000"):
+        assert server_is_local(url), url
+    assert not server_is_local("http://192.0.2.1:8000")  # TEST-NET-1: never this machine
+    assert not server_is_local(None)
+
+
+def test_quick_runs_what_its_help_says():
+    quick = _args("--quick")
+    assert _default_scenarios(quick) == list(QUICK_SCENARIOS) == ["single", "interleaved"]
+    plan = _plan(quick)
+    assert (plan.tools, plan.requests, plan.misses, plan.bypass, plan.groups, plan.rounds) == (10, 3, 1, 0, 2, 2)
+    assert sum(SCENARIOS[n].planned(plan) for n in QUICK_SCENARIOS) == 8
+    assert "restart" not in _default_scenarios(_args()) and "single" in _default_scenarios(_args())
+
+
+def test_install_hint_names_the_extra(monkeypatch, capsys):
+    assert '".[bench]"' in install_hint()  # this is a checkout
+    monkeypatch.setitem(sys.modules, "gateway.bench.command", None)  # as if an import of it failed
+    assert _run(_args()) == 2
+    err = capsys.readouterr().err
+    assert "needs the bench extra" in err and '".[bench]"' in err and "'toolkv[bench]'" not in err

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.api.dashboard import STATIC_DIR, TtftWindows, quantile
+from gateway.api.dashboard import STATIC_DIR, TtftWindows, quantile, ttft_ceiling_ms
 from gateway.metrics import Metrics
 from tests.observability.traffic import Exercised, scrape
 from tests.support.server import LiveServer
@@ -124,6 +124,38 @@ def test_stats_chart_a_ttft_point_for_hits_and_misses(exercised: Exercised) -> N
         for label in ("hit", "miss"):
             if label in window:
                 assert 0 < window[label]["p50_ms"] <= window[label]["p95_ms"]
+
+
+def test_stats_give_the_chart_a_ceiling_at_the_highest_point(exercised: Exercised) -> None:
+    stats = _stats(exercised)
+    values = [w[label][key] for w in stats["ttft_windows"] for label in ("hit", "miss") if label in w
+              for key in ("p50_ms", "p95_ms")]
+    assert stats["ttft_ceiling_ms"] == pytest.approx(max(values))  # one point per series: no outlier
+
+
+def _window(t: float, **series: tuple[float, float]) -> dict[str, Any]:
+    return {"t": t, **{label: {"count": 3, "mean_ms": p50, "p50_ms": p50, "p95_ms": p95}
+                       for label, (p50, p95) in series.items()}}
+
+
+def test_chart_ceiling_leaves_out_one_outlier() -> None:
+    """The first request after start took 159 s, later misses 14.5 s, hits ~0.1 s: the axis stops at
+    the highest other point, so the hits and misses stay readable; the page marks the outlier."""
+    windows = [_window(0, miss=(159_000.0, 159_000.0)),
+               *(_window(10 * k, hit=(110.0 + k, 130.0 + k), miss=(14_500.0 + k, 15_000.0 + k)) for k in range(1, 6))]
+    assert ttft_ceiling_ms(windows) == 15_005.0
+    assert ttft_ceiling_ms(windows[:2]) == 15_001.0  # two points in a series: each against the other
+    assert ttft_ceiling_ms(windows[1:]) == 15_005.0  # no outlier: the highest point
+
+
+def test_chart_ceiling_keeps_points_of_the_same_order_and_each_series_apart() -> None:
+    misses = [_window(10 * k, miss=(3_000.0 * (k + 1), 3_500.0 * (k + 1))) for k in range(4)]  # 3 to 14 s
+    assert ttft_ceiling_ms(misses) == 14_000.0
+    hits_and_misses = [_window(0, hit=(100.0, 120.0)), _window(10, hit=(400.0, 450.0), miss=(9_000.0, 9_500.0))]
+    assert ttft_ceiling_ms(hits_and_misses) == 9_500.0  # hits far below misses are no outliers of theirs
+    assert ttft_ceiling_ms([]) is None and ttft_ceiling_ms([{"t": 0}]) is None
+    spike = [_window(10 * k, hit=(100.0, 100.0)) for k in range(5)] + [_window(60, hit=(100.0, 2_000.0))]
+    assert ttft_ceiling_ms(spike) == 100.0  # one window's p95 twenty times the others'
 
 
 def test_quantile_matches_prometheus_histogram_quantile() -> None:

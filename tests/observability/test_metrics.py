@@ -145,6 +145,25 @@ def test_cache_gauges_show_the_stored_prefix_and_the_model_as_ready(exercised: E
     assert _value(exercised, "toolkv_prefix_restore_seconds") == 1
 
 
+def test_no_created_series(exercised: Exercised) -> None:
+    """Counters and histograms carry no `_created` timestamp series, in the model app's exposition
+    and in proxy mode's (one process-wide switch, set when gateway.metrics is imported)."""
+    from prometheus_client import generate_latest
+
+    from gateway.proxy.metrics import ProxyMetrics, Usage
+
+    text, _ = scrape(exercised.server)
+    assert "toolkv_requests_total{" in text and "toolkv_time_to_first_token_seconds_count{" in text
+    assert [line for line in text.splitlines() if "_created" in line] == []
+    proxy = ProxyMetrics()
+    proxy.requests.labels(status="200", stream="true").inc()
+    proxy.observe_usage("http://upstream", Usage(prompt_tokens=10, cached_tokens=8))
+    proxy.ttft.labels(cache="hit", upstream="http://upstream").observe(0.1)
+    proxy_text = generate_latest(proxy.registry).decode()
+    assert "toolkv_requests_total{" in proxy_text and "toolkv_time_to_first_token_seconds_count{" in proxy_text
+    assert [line for line in proxy_text.splitlines() if "_created" in line] == []
+
+
 def test_promtool_accepts_the_exposition(exercised: Exercised) -> None:
     """`promtool check metrics` parses the scrape; its only complaints are the two rules vLLM's
     names break, and only about vllm: series."""

@@ -107,7 +107,7 @@
     renderReplicas(stats.replicas);
     renderEngine(stats.engine);
     renderLatestTtft(stats.ttft_windows);
-    renderChart(stats.ttft_windows, stats.window_s);
+    renderChart(stats.ttft_windows, stats.window_s, stats.ttft_ceiling_ms);
     renderGroups(stats.groups);
   }
 
@@ -218,33 +218,43 @@
     return node;
   }
 
-  function renderChart(windows, windowS) {
+  // `ceiling` (the server's ttft_ceiling_ms) is the highest point that is not an outlier: the axis
+  // stops there, and a point above it is drawn at the top, marked with its value, instead of
+  // squashing every other point against the axis. Without it the axis reaches the highest point.
+  function renderChart(windows, windowS, ceiling) {
     const chart = $("ttft-chart");
     const points = windows.filter((w) => w.hit || w.miss);
     chart.replaceChildren();
     chart.dataset.points = String(points.length);
-    $("chart-note").textContent = `One point per ${windowS} s window; p50/p95 from the TTFT histogram.`;
+    let note = `One point per ${windowS} s window; p50/p95 from the TTFT histogram.`;
     if (!points.length) {
+      chart.dataset.clipped = "0";
+      $("chart-note").textContent = note;
       chart.append(svg("text", {x: CHART.width / 2, y: CHART.height / 2, "text-anchor": "middle",
         class: "empty"}, "No hits or misses yet: send a request from the playground."));
       return;
     }
-    const scale = chartScale(points, windowS);
+    const scale = chartScale(points, windowS, ceiling);
     drawAxes(chart, scale);
-    for (const [label, field] of SERIES) drawSeries(chart, scale, points, label, field, windowS);
+    let clipped = 0;
+    for (const [label, field] of SERIES) clipped += drawSeries(chart, scale, points, label, field, windowS);
+    chart.dataset.clipped = String(clipped);
+    if (clipped) note += ` ${plural(clipped, "point")} above the axis, drawn at its top (▲, hover for the value).`;
+    $("chart-note").textContent = note;
   }
 
-  function chartScale(points, windowS) {
+  function chartScale(points, windowS, ceiling) {
     const now = Date.now() / 1000;
     const tMax = Math.max(now, points[points.length - 1].t + windowS);
     const tMin = Math.min(points[0].t, tMax - 300);
     const peak = Math.max(...points.flatMap((w) => ["hit", "miss"].map((l) => (w[l] ? w[l].p95_ms : 0))));
-    const yMax = niceCeil(peak * 1.1 || 1);
-    const {width, height, left, right, top, bottom} = CHART;
+    const top = ceiling != null && isFinite(ceiling) ? Math.min(ceiling, peak) : peak;
+    const yMax = niceCeil(top * 1.1 || 1);
+    const {width, height, left, right, bottom} = CHART;
     return {
       tMin, tMax, yMax,
       x: (t) => left + ((t - tMin) / (tMax - tMin)) * (width - left - right),
-      y: (v) => height - bottom - (v / yMax) * (height - top - bottom),
+      y: (v) => height - bottom - (Math.min(v, yMax) / yMax) * (height - CHART.top - bottom),
     };
   }
 
@@ -268,19 +278,35 @@
     }
   }
 
+  // Returns how many of its points were above the axis (drawn at the top as a marked triangle).
   function drawSeries(chart, s, points, label, field, windowS) {
     const own = points.filter((w) => w[label]);
-    if (!own.length) return;
+    if (!own.length) return 0;
     const xy = own.map((w) => [s.x(w.t + windowS / 2), s.y(w[label][field])]);
     const kind = field.slice(0, 3);
     chart.append(svg("polyline", {points: xy.map((p) => p.join(",")).join(" "),
       class: `series ${label} ${kind}`}));
+    let clipped = 0;
     own.forEach((w, i) => {
-      const dot = svg("circle", {cx: xy[i][0], cy: xy[i][1], r: 3, class: label});
-      dot.append(svg("title", {}, `${fmt.clock(w.t)} ${label} ${kind}: ${fmt.ms(w[label][field])}` +
-        ` (${w[label].count} requests)`));
+      const value = w[label][field];
+      const title = svg("title", {}, `${fmt.clock(w.t)} ${label} ${kind}: ${fmt.ms(value)}` +
+        ` (${w[label].count} requests)` + (value > s.yMax ? ", above the axis" : ""));
+      const [x, y] = xy[i];
+      if (value > s.yMax) {
+        clipped += 1;
+        const mark = svg("polygon", {points: `${x - 5},${y + 6} ${x + 5},${y + 6} ${x},${y - 3}`,
+          class: `${label} clipped`, style: `fill: var(--${label})`});
+        mark.append(title);
+        chart.append(mark);
+        chart.append(svg("text", {x: x + 7, y: y + 8, class: "axis clipped", style: `fill: var(--${label})`},
+          fmt.ms(value)));
+        return;
+      }
+      const dot = svg("circle", {cx: x, cy: y, r: 3, class: label});
+      dot.append(title);
       chart.append(dot);
     });
+    return clipped;
   }
 
   // ---- tool groups -----------------------------------------------------------------------------
