@@ -39,6 +39,7 @@ from gateway.bench.floor import (
     measure_floor,
     server_is_local,
 )
+from gateway.bench.hostile import spawn_env as hostile_spawn_env
 from gateway.bench.html_report import write_html
 from gateway.bench.names import ONLY_WHEN_NAMED, QUICK_SCENARIOS
 from gateway.bench.plots import write_plots
@@ -166,8 +167,9 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
                     console: Console
                     ) -> tuple[list[ScenarioResult], tuple[dict[int, FloorResult], str | None, bool], dict[str, Any]]:
     spawn_env = _spawn_env(args, names, plan) if cache_dir is not None else {}
-    server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model,
-                           config=args.config, replicas=args.replicas, env=spawn_env) if cache_dir is not None else None
+    keys_env = _hostile_keys(args, names) if cache_dir is not None else {}  # kept out of the report
+    server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model, config=args.config,
+                           replicas=args.replicas, env={**spawn_env, **keys_env}) if cache_dir is not None else None
     clock_zero = time.perf_counter()
     if server is not None:
         console.print(f"starting toolkv serve (log: {server.log_path}) ...")
@@ -200,6 +202,14 @@ def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[s
     if "fleet" not in names or not args.replicas or args.replicas < 2:
         return {}
     return {"TOOLKV_UPSTREAM_MAX_IN_FLIGHT": str(max(1, plan.fleet_clients // 2))}
+
+
+def _hostile_keys(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
+    """hostile-soak on a spawned server: two keys, B (the bench's own, --api-key or one made up) and A."""
+    if "hostile-soak" not in names:
+        return {}
+    args.api_key, env = hostile_spawn_env(args.api_key)
+    return env
 
 
 def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: BenchClient) -> BaselineFleet | None:

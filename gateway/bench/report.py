@@ -25,6 +25,7 @@ from gateway.bench.context import ScenarioResult
 from gateway.bench.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
 from gateway.bench.floor import FLOOR_DISABLED, FLOOR_LOCAL, FLOOR_QUICK, FloorResult
 from gateway.bench.history_report import history_lines, history_stats, history_target
+from gateway.bench.hostile import hostile_lines, hostile_targets
 from gateway.bench.stats import ms_spread, percentile, to_ms, ttft_stats
 
 CLASSES = ("miss", "hit", "bypass")
@@ -116,6 +117,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(history_stats(result.samples))
     elif result.name == "constrained":  # about validity and the grammar's cost
         out.update(constrained_stats(result.samples, result.details))
+    elif result.name == "hostile-soak":  # its numbers are in details (hostile.py)
+        pass
     elif result.name == "fleet":  # about routing: per part, replica and group
         out.update(fleet_stats(result.samples, result.details))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
@@ -237,6 +240,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
         "history_rss_flat": history_target(scenarios.get("history", {})),
         **constrained_targets(scenarios.get("constrained", {})),
         **fleet_targets(scenarios.get("fleet", {})),
+        **hostile_targets(scenarios.get("hostile-soak", {})),
     }
 
 
@@ -303,7 +307,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
 CONCURRENCY_SCENARIOS = ("concurrent", "compile-overlap")
 # Reported on lines of their own, not in the main table.
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained", "fleet")
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained", "fleet", "hostile-soak")
 
 
 def concurrency_table(report: dict[str, Any]) -> Table | None:
@@ -396,6 +400,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines += constrained_lines(s["constrained"])
     if "fleet" in s and not s["fleet"].get("skipped"):
         lines += fleet_lines(s["fleet"])
+    if "hostile-soak" in s and not s["hostile-soak"].get("skipped"):
+        lines += hostile_lines(s["hostile-soak"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]

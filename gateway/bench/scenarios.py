@@ -33,6 +33,8 @@ from gateway.bench.conversations import run_agent, run_history
 from gateway.bench.fleet import planned as fleet_planned
 from gateway.bench.fleet import run_fleet
 from gateway.bench.history import expected_requests
+from gateway.bench.hostile import planned as hostile_planned
+from gateway.bench.hostile import run_hostile_soak
 from gateway.bench.names import SCENARIO_NAMES
 from gateway.bench.workload import ToolGroup, WorkloadError
 
@@ -254,5 +256,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                                                                  turns=p.history_turns, words=p.history_words)),
     Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
     Scenario("fleet", run_fleet, fleet_planned),
+    Scenario("hostile-soak", run_hostile_soak, hostile_planned),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module
