@@ -173,8 +173,9 @@ def hostile_details(alone: list[Sample], attacked: list[Sample], rss_start: floa
 
 
 def hostile_targets(h: dict[str, Any]) -> dict[str, bool | None]:
+    """Issue 25's targets, only when the scenario ran (it runs only when named)."""
     if not h or h.get("skipped"):
-        return {"hostile_b_within_2x": None, "hostile_rss_bounded": None, "hostile_no_5xx": None}
+        return {}
     ratio, growth, start = h.get("b_ratio_p50"), h.get("rss_growth_mb"), h.get("rss_start_mb")
     return {"hostile_b_within_2x": None if ratio is None else ratio <= TARGET_B_RATIO,
             "hostile_rss_bounded": None if growth is None or not start else growth <= TARGET_RSS_GROWTH * start,
