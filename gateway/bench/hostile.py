@@ -57,12 +57,15 @@ def _chat(model: str | None, text: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2, **extra}
 
 
+def _deep(model: str | None) -> bytes:
+    """Arrays nested DEEP_NESTING deep, written as text (json.dumps would recurse past Python's limit)."""
+    text = json.dumps(_chat(model, "hi", metadata={"deep": "@"}))
+    return text.replace('"@"', "[" * DEEP_NESTING + '"leaf"' + "]" * DEEP_NESTING).encode()
+
+
 def hostile_bodies(model: str | None, serial: int) -> list[tuple[str, bytes, bool]]:
     """One round of key A's mix: (kind, raw body, drop mid-stream)."""
     pad = "x" * NEAR_LIMIT_BYTES
-    deep: Any = "leaf"
-    for _ in range(DEEP_NESTING):
-        deep = [deep]
     schema = {"type": "object", "properties": {f"f{serial}_{i}": {"type": "string", "description": "d" * 32}
                                                for i in range(SCHEMA_PROPERTIES)}}
     args = json.dumps({"blob": "y" * TOOL_ARGS_BYTES})
@@ -74,7 +77,7 @@ def hostile_bodies(model: str | None, serial: int) -> list[tuple[str, bytes, boo
     bodies: list[tuple[str, Any, bool]] = [
         ("oversized", _chat(model, pad), False),
         ("over-limit", _chat(model, pad + "x" * 128 * 1024), False),
-        ("deep-nesting", _chat(model, "hi", metadata={"deep": deep}), False),
+        ("deep-nesting", _deep(model), False),
         ("tool-call-args", {"model": model, "messages": tool_msgs, "tools": tools, "max_tokens": 2}, False),
         ("response-format", _chat(model, "answer in JSON", response_format={
             "type": "json_schema", "json_schema": {"name": f"s{serial}", "schema": schema}}), False),
