@@ -69,6 +69,17 @@ class Metrics:
         self.cache_errors = Counter("toolkv_cache_errors_total",
                                     "Cache faults (corrupt file, disk full...) handled as a miss",
                                     ["kind"], registry=r)
+        self.responses_store_bytes = Gauge("toolkv_responses_store_bytes",
+                                           "Bytes (as JSON) of the kept Responses and the conversation turns they "
+                                           "keep alive, all API keys", registry=r)
+        self.grammar_cache_bytes = Gauge("toolkv_grammar_cache_bytes",
+                                         "Estimated bytes of the compiled grammars kept, all API keys", registry=r)
+        self.tokenizer_heads_bytes = Gauge("toolkv_tokenizer_heads_bytes",
+                                           "Bytes of the remembered tokenized tool-group heads, all API keys",
+                                           registry=r)
+        self.memory_budget_bytes = Gauge("toolkv_memory_budget_bytes",
+                                         "The byte bound of each bounded in-memory structure (its setting)",
+                                         ["structure"], registry=r)
         self.queue_depth = Gauge("toolkv_queue_depth", "Requests waiting for the engine", registry=r)
         self.in_flight = Gauge("toolkv_requests_in_flight", "Requests being served", registry=r)
         self.model_loaded = Gauge("toolkv_model_loaded",

@@ -46,7 +46,13 @@ JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separat
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
-GRAMMAR_CACHE_SIZE = 128  # compiled grammars kept (a group's tool grammar is reused by every request)
+GRAMMAR_CACHE_BYTES = 256 * 1024**2  # compiled grammars kept, estimated (a group's tool grammar serves every request)
+# A compiled grammar's memory, estimated from its Lark text: measured with llguidance 1.9 on the
+# SmolLM2 vocabulary (RSS grown over 5-20 distinct grammars kept), 2-37 bytes per character of
+# text, by shape: ~2-6 for long descriptions, enums and anyOf lists, ~37 for objects with thousands
+# of properties (nested or not); 40 covers them all. Plus a fixed part for the smallest.
+GRAMMAR_BYTES_PER_CHAR = 40
+GRAMMAR_BASE_BYTES = 64 * 1024
 
 Mode = Literal["required", "auto"]
 
@@ -193,20 +199,28 @@ def json_grammar(schema: dict[str, Any], max_string: int = 0) -> str:
 
 
 class Grammars:
-    """Compiles grammars for one tokenizer and keeps the compiled ones (LRU): a tool group's grammar
-    is built once and copied for each request that uses it."""
+    """Compiles grammars for one tokenizer and keeps the compiled ones (LRU, bounded by their
+    estimated bytes, `grammar_bytes`): a tool group's grammar is built once and copied for each
+    request that uses it. Kept per namespace (the request's tenant): a tenant only ever reuses a
+    grammar it compiled itself, so how long its request takes never tells it what another sent."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int],
-                 capacity: int = GRAMMAR_CACHE_SIZE) -> None:
+                 max_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_ids)
-        self._capacity = capacity
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._compiled: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # (namespace, grammar)
+        self.num_bytes = 0  # the kept grammars' estimated bytes
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._closers: tuple[torch.Tensor, ...] | None = None
         self.compiles = 0
+
+    def cached(self, namespace: str = "") -> list[str]:
+        """The grammars `namespace` has compiled and that are still kept, oldest first."""
+        with self._lock:
+            return [grammar for ns, grammar in self._compiled if ns == namespace]
 
     def _lltokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -217,20 +231,25 @@ class Grammars:
         return self._tokenizer
 
     def constraint(self, grammar: str, param: str, forced: Sequence[int] = (),
-                   closing_from: int | None = None) -> Constraint:
+                   closing_from: int | None = None, *, namespace: str = "") -> Constraint:
         """A fresh matcher for `grammar`, having consumed `forced` (text the prompt already ends
         with, as if generated); from its `closing_from`-th token on it steers to the nearest end
-        (see `Constraint`). GrammarError (naming `param`) when it does not compile."""
+        (see `Constraint`). GrammarError (naming `param`) when it does not compile. Only
+        `namespace`'s own compiled grammars are reused."""
+        key = (namespace, grammar)
         with self._lock:
-            template = self._compiled.get(grammar)
-            if template is None:
-                template = self._compile(grammar, param)
-                self._compiled[grammar] = template
-                if len(self._compiled) > self._capacity:
-                    self._compiled.popitem(last=False)
+            kept = self._compiled.get(key)
+            if kept is not None:
+                self._compiled.move_to_end(key)
+                matcher = kept[0].deep_copy()
             else:
-                self._compiled.move_to_end(grammar)
-            matcher = template.deep_copy()
+                self.compiles += 1
+                tokenizer = self._lltokenizer()
+        if kept is None:  # compiled outside the lock: one tenant's big grammar never holds up another's
+            template = self._compile(grammar, param, tokenizer)
+            with self._lock:
+                self._keep(key, template)
+                matcher = template.deep_copy()
         constraint = Constraint(matcher, self.vocab_size)
         if closing_from is not None:
             constraint.closing_from, constraint.closers = closing_from, self.closers()
@@ -251,11 +270,21 @@ class Grammars:
             self._closers = (ends, *starts)
         return self._closers
 
-    def _compile(self, grammar: str, param: str) -> Any:
+    def _keep(self, key: tuple[str, str], template: Any) -> None:
+        """Keep a compiled grammar, evicting the least recently used past the byte bound (one
+        larger than the whole bound is used once and not kept)."""
+        size = grammar_bytes(key[1])
+        if size > self.max_bytes or key in self._compiled:  # or compiled meanwhile by a twin request
+            return
+        self._compiled[key] = (template, size)
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            _, (_, dropped) = self._compiled.popitem(last=False)
+            self.num_bytes -= dropped
+
+    def _compile(self, grammar: str, param: str, tokenizer: Any) -> Any:
         import llguidance
 
-        self.compiles += 1
-        tokenizer = self._lltokenizer()
         try:
             compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
             matcher = llguidance.LLMatcher(tokenizer, compiled)
@@ -265,6 +294,11 @@ class Grammars:
             raise GrammarError(f"the schema cannot be used for constrained decoding: {_first_line(matcher)}",
                                param)
         return matcher
+
+
+def grammar_bytes(grammar: str) -> int:
+    """A compiled grammar's estimated memory (see GRAMMAR_BYTES_PER_CHAR), its text included."""
+    return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(grammar)
 
 
 def _first_line(matcher: Any) -> str:

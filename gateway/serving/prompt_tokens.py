@@ -21,12 +21,15 @@ time whether another had sent a system prompt + tools (a remembered head makes t
 faster). And a head is remembered only once its request is accepted (`encode_pending` + commit):
 a request rejected after tokenizing (over the context, say) leaves nothing behind. Each tenant
 keeps at most `max_heads_per_namespace` heads, all tenants together `max_heads`, token ids packed
-as 32-bit arrays.
+as 32-bit arrays; and in bytes (the group text a head is keyed by, and its arrays: `head_bytes`)
+all together at most `max_bytes` (setting `tokenizer_heads_bytes`), each tenant the same share of
+it as of the count (a quarter by default). A head larger than a tenant's share is not kept.
 """
 
 from __future__ import annotations
 
 import bisect
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -36,6 +39,7 @@ from typing import Any
 
 MAX_HEADS = 256  # distinct (tenant, tool-group text) pairs remembered in all
 MAX_HEADS_PER_NAMESPACE = 64  # one tenant cannot evict every other tenant's heads
+MAX_HEAD_BYTES = 128 * 1024**2  # all heads' bytes together (setting tokenizer_heads_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +56,18 @@ def _noop() -> None:
 
 class PromptTokenizer:
     def __init__(self, tokenizer: Any, max_heads: int = MAX_HEADS,
-                 max_heads_per_namespace: int = MAX_HEADS_PER_NAMESPACE) -> None:
+                 max_heads_per_namespace: int = MAX_HEADS_PER_NAMESPACE, max_bytes: int = MAX_HEAD_BYTES) -> None:
         self.tokenizer = tokenizer
         self.max_heads = max_heads
         self.max_heads_per_namespace = max_heads_per_namespace
+        self.max_bytes = max_bytes
+        self.max_bytes_per_namespace = max_bytes * min(max_heads_per_namespace, max_heads) // max(max_heads, 1)
         self.boundaries = _boundary_tokens(tokenizer)
         # (namespace, group text) -> head; None: tokenize that group whole
         self._heads: OrderedDict[tuple[str, str], _Head | None] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # each remembered head's bytes
+        self._namespace_bytes: dict[str, int] = {}
+        self.num_bytes = 0  # all remembered heads' bytes
         self._lock = threading.Lock()
         self.split_uses = 0  # requests served from a cached head (for tests and metrics)
 
@@ -117,14 +126,37 @@ class PromptTokenizer:
         return ids, _cut(ends, prefix_chars), lambda: self._remember(slot, head)
 
     def _remember(self, slot: tuple[str, str], head: _Head | None) -> None:
+        size = head_bytes(slot[1], head)
+        if size > self.max_bytes_per_namespace:
+            return  # larger than a tenant's whole share: tokenized whole each time instead
+        namespace = slot[0]
         with self._lock:
+            if slot in self._heads:  # learned meanwhile by a twin request
+                self._forget(slot)
             self._heads[slot] = head
-            self._heads.move_to_end(slot)
-            mine = [key for key in self._heads if key[0] == slot[0]]
+            self._sizes[slot] = size
+            self._namespace_bytes[namespace] = self._namespace_bytes.get(namespace, 0) + size
+            self.num_bytes += size
+            mine = [key for key in self._heads if key[0] == namespace]
             for key in mine[: max(0, len(mine) - self.max_heads_per_namespace)]:
-                del self._heads[key]
-            while len(self._heads) > self.max_heads:
-                self._heads.popitem(last=False)
+                self._forget(key)
+            for key in mine:  # oldest first, never the one just learned (it fits the share alone)
+                if self._namespace_bytes[namespace] <= self.max_bytes_per_namespace:
+                    break
+                if key in self._heads:
+                    self._forget(key)
+            while len(self._heads) > self.max_heads or self.num_bytes > self.max_bytes:
+                self._forget(next(iter(self._heads)))
+
+    def _forget(self, slot: tuple[str, str]) -> None:
+        del self._heads[slot]
+        size = self._sizes.pop(slot)
+        self.num_bytes -= size
+        left = self._namespace_bytes[slot[0]] - size
+        if left:
+            self._namespace_bytes[slot[0]] = left
+        else:
+            del self._namespace_bytes[slot[0]]
 
     def _head_of(self, group_text: str, ids: list[int], ends: list[int]) -> _Head | None:
         found = [(group_text.rfind(token), token) for token in self.boundaries]
@@ -139,6 +171,12 @@ class PromptTokenizer:
     def _encode(self, text: str) -> tuple[list[int], list[int]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [end for _, end in enc["offset_mapping"]]
+
+
+def head_bytes(group_text: str, head: _Head | None) -> int:
+    """What remembering a group's head keeps: its text (the key) and its two token arrays."""
+    arrays = (head.ids.itemsize * len(head.ids) + head.ends.itemsize * len(head.ends)) if head is not None else 0
+    return sys.getsizeof(group_text) + arrays + 256  # and the entry itself, roughly
 
 
 def _cut(ends: list[int], prefix_chars: int) -> int:

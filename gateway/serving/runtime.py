@@ -48,6 +48,10 @@ class Runtime:
         m.cache_entries.labels(tier="ram").set(len(self.store.ram))
         m.cache_bytes.labels(tier="ram").set(self.store.ram.num_bytes)
         m.cache_pinned_bytes.set(self.store.pinned_bytes())
+        m.grammar_cache_bytes.set(self.service.grammars.num_bytes)
+        m.tokenizer_heads_bytes.set(self.service.prompt_tokens.num_bytes)
+        m.memory_budget_bytes.labels(structure="grammar_cache").set(self.service.grammars.max_bytes)
+        m.memory_budget_bytes.labels(structure="tokenizer_heads").set(self.service.prompt_tokens.max_bytes)
         if self.store.disk is not None:
             num_files, num_bytes = self.store.disk.usage()
             m.cache_entries.labels(tier="disk").set(num_files)
@@ -93,7 +97,9 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
-                          reserve_tokens=settings.constrained_reserve_tokens)
+                          reserve_tokens=settings.constrained_reserve_tokens,
+                          grammar_cache_bytes=settings.grammar_cache_bytes,
+                          tokenizer_heads_bytes=settings.tokenizer_heads_bytes)
     engine.start()
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)

@@ -14,12 +14,22 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
+
 from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta
 from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
-from gateway.engine.constraints import Constraint, GrammarError, Grammars, Mode, json_grammar, tool_grammar
+from gateway.engine.constraints import (
+    GRAMMAR_CACHE_BYTES,
+    Constraint,
+    GrammarError,
+    Grammars,
+    Mode,
+    json_grammar,
+    tool_grammar,
+)
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
@@ -39,7 +49,7 @@ from gateway.serving.checks import (
 )
 from gateway.serving.jobs import ForcedCall, Outcome, Prepared, unset_emit, usage_of
 from gateway.serving.logprobs import StreamLogprobs, TokenTexts
-from gateway.serving.prompt_tokens import PromptTokenizer
+from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +57,14 @@ log = logging.getLogger(__name__)
 class ChatService:
     def __init__(self, engine: Engine, info: ModelInfo, tokenizer: Any, family: ChatFamily, model_name: str,
                  context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int,
-                 max_string_chars: int = 0, reserve_tokens: int = 0) -> None:
+                 max_string_chars: int = 0, reserve_tokens: int = 0, grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
+                 tokenizer_heads_bytes: int = MAX_HEAD_BYTES) -> None:
         self.engine = engine
         self.info = info
         self.tokenizer = tokenizer
         self.family = family
         self.renderer = PromptRenderer(tokenizer, family)
-        self.prompt_tokens = PromptTokenizer(tokenizer)
+        self.prompt_tokens = PromptTokenizer(tokenizer, max_bytes=tokenizer_heads_bytes)
         self.marker_ids = marker_ids(tokenizer, family.call_markers)
         self.max_token_chars = max_token_chars(tokenizer)
         self.model_name = model_name
@@ -67,7 +78,7 @@ class ChatService:
         self.accounting = Accounting(metrics)
         self.cache_enabled = cache_enabled
         self.default_max_tokens = default_max_tokens
-        self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_ids)
+        self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_ids, grammar_cache_bytes)  # per tenant
         self.call_specials = special_markers(tokenizer, family.call_markers, info.special_ids)
         self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
         self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
@@ -90,11 +101,12 @@ class ChatService:
         Blocking (render + tokenize): call it off the event loop."""
         received = time.perf_counter() if received is None else received
         messages = [m.to_chat() for m in req.messages]
-        self._check_characters(messages)
         tools = [t.to_spec() for t in req.tools or ()]
+        self._check_characters(messages, tools)
         check_unique_names(tools)
         check_tool_choice(req)
         rendered = self._render(messages, tools)
+        self._check_characters_rendered(rendered.text)
         group_id = rendered.group.group_id  # a hash of the whole group: computed once
         salt = salt_for(group_id) if salt_for is not None else ""
         forced = self._forced_call(req, tools)
@@ -113,7 +125,7 @@ class ChatService:
             check_finite_schemas(tools if tools_active else [], req.response_format)
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
         constraint = None if params.max_tokens == 0 else self._constraint(req, rendered.group.tools, tools_active,
-                                                                          forced_ids, params.max_tokens)
+                                                                          forced_ids, params.max_tokens, tenant)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names, retention_s=req.retention_s,
@@ -139,14 +151,28 @@ class ChatService:
                         prepare_s=time.perf_counter() - received,
                         request_id=request_id or chat_output.new_completion_id())
 
-    def _check_characters(self, messages: list[ChatMessage]) -> None:
+    def _check_characters(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> None:
         """Reject a prompt that cannot fit before rendering or tokenizing it: no token spans more
         than `max_token_chars` characters, so text longer than context x that is over the context
-        whatever it tokenizes to. Message texts appear verbatim in the rendered prompt."""
-        chars = sum(len(m.content or "") for m in messages)
+        whatever it tokenizes to. Counted, each at most what it takes in the rendered prompt: the
+        message texts and tool-call names (verbatim), tool-call arguments (`_arguments_chars`), and
+        each tool's name, description and parameters (as compact JSON: the least any template
+        writes them in)."""
+        chars = sum(len(m.content or "") + sum(len(c.name) + _arguments_chars(c.arguments) for c in m.tool_calls)
+                    for m in messages)
+        chars += sum(len(t.name) + len(t.description or "")
+                     + (len(orjson.dumps(t.parameters).decode()) if t.parameters is not None else 0) for t in tools)
         if chars > self.context_len * self.max_token_chars:
             raise ContextLengthExceeded(
-                f"the messages hold {chars} characters, more than this model's context of "
+                f"the messages and tools hold {chars} characters, more than this model's context of "
+                f"{self.context_len} tokens can take", param="messages")
+
+    def _check_characters_rendered(self, text: str) -> None:
+        """The same bound on the rendered prompt, before tokenizing it (for whatever else a
+        template writes: call ids, names...)."""
+        if len(text) > self.context_len * self.max_token_chars:
+            raise ContextLengthExceeded(
+                f"the prompt holds {len(text)} characters, more than this model's context of "
                 f"{self.context_len} tokens can take", param="messages")
 
     def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
@@ -167,9 +193,10 @@ class ChatService:
         return ForcedCall(self.family.call_opening(name))
 
     def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
-                    forced_ids: list[int], max_tokens: int) -> Constraint | None:
+                    forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
         """The grammar this request's output must follow (gateway/engine/constraints.py), having
-        consumed the forced opening; None when the output is free text."""
+        consumed the forced opening; None when the output is free text. Compiled grammars are
+        reused only within `tenant` (no cross-tenant timing)."""
         answer = req.response_format.answer_schema if req.response_format is not None else None
         mode: Mode = "auto"
         if tools_active:
@@ -191,17 +218,18 @@ class ChatService:
             free_text = tools_active and mode == "auto" and answer is None
             closing = (max_tokens - min(self.reserve_tokens, max_tokens // 4)
                        if self.reserve_tokens and not free_text else None)
-            return self.grammars.constraint(grammar, param, forced_ids, closing)
+            return self.grammars.constraint(grammar, param, forced_ids, closing, namespace=tenant)
         except GrammarError as exc:
-            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param)) from None
+            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param, tenant)) from None
 
-    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str) -> str:
+    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str, tenant: str = "") -> str:
         """The first tool whose schema alone does not compile (`tools[i].function.parameters`)."""
         if param != "tools":
             return param
         for index, tool in enumerate(tools):
             try:
-                self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools")
+                self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools",
+                                         namespace=tenant)
             except GrammarError:
                 return f"tools[{index}].function.parameters"
         return param
@@ -349,3 +377,12 @@ class ChatService:
         if include_usage:
             yield chunk(None, usage=usage_of(prepared, outcome))
         self.accounting.record(prepared, outcome, "200", stream=True)
+
+
+def _arguments_chars(arguments: str) -> int:
+    """A lower bound on the characters a tool call's `arguments` take in the rendered prompt,
+    counted without parsing them: the template parses the JSON and writes it again, which may drop its
+    whitespace, `\\/` escapes and turn a `\\uXXXX` escape (6 characters, 12 for a surrogate pair)
+    into the one character it names; text that is not JSON is written as it is."""
+    blanks = sum(arguments.count(blank) for blank in " \t\n\r")
+    return max(0, len(arguments) - blanks - 6 * arguments.count("\\u") - arguments.count("\\/"))

@@ -52,9 +52,16 @@ router = APIRouter()
 
 
 def install(app: FastAPI) -> None:
-    """The routes, and the store `previous_response_id` and GET read (sized by `max_stored_responses`)."""
+    """The routes, and the store `previous_response_id` and GET read (sized by `max_stored_responses`,
+    `max_stored_response_bytes` per key and `max_stored_response_bytes_total`), its bytes a gauge."""
     settings = app.state.settings
-    app.state.responses = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes)
+    store = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes,
+                          settings.max_stored_response_bytes_total)
+    app.state.responses = store
+    app.state.metrics.responses_store_bytes.set_function(lambda: store.num_bytes)
+    budgets = app.state.metrics.memory_budget_bytes
+    budgets.labels(structure="responses_store").set(settings.max_stored_response_bytes_total)
+    budgets.labels(structure="responses_store_per_key").set(settings.max_stored_response_bytes)
     app.include_router(router)
     app.include_router(retrieval_router)
 
@@ -69,6 +76,7 @@ class Planned:
     tenant: str
     turn: list[dict[str, Any]]  # the chat messages this request's input adds to the conversation
     parent: Turn | None
+    items: tuple[dict[str, Any], ...]  # its input as listed items (what `input_items` reads back)
 
 
 @router.post("/v1/responses")
@@ -88,6 +96,9 @@ def _plan(arrival: Arrival) -> Planned:
     req = parse_model(arrival.body, ResponsesRequest)
     parent = _previous(arrival, req.previous_response_id)
     turn = input_messages(req.input)
+    items = listed_items(req.input)
+    if req.store is not False:
+        _check_room(arrival.state.responses, parent, len(orjson.dumps(turn)) + len(orjson.dumps(items)))
     conversation = (parent.conversation() if parent is not None else []) + turn
     if not conversation:
         raise BadRequest("'input' is required: send text or a list of input items", param="input")
@@ -98,7 +109,7 @@ def _plan(arrival: Arrival) -> Planned:
             raise validation_error(exc.errors()) from None
         prepared = prepare_chat(arrival, chat_req)
     shape = ResponseShape.of(arrival.request_id, req, arrival.runtime.model_name)
-    return Planned(req, prepared, shape, arrival.tenant.salt, turn, parent)
+    return Planned(req, prepared, shape, arrival.tenant.salt, turn, parent, items)
 
 
 def _previous(arrival: Arrival, response_id: str | None) -> Turn | None:
@@ -110,6 +121,18 @@ def _previous(arrival: Arrival, response_id: str | None) -> Turn | None:
         raise BadRequest(f"Previous response with id '{response_id[:100]}' not found.",
                          param="previous_response_id", code="previous_response_not_found")
     return stored.turn
+
+
+def _check_room(store: ResponseStore, parent: Turn | None, added: int) -> None:
+    """A 400 before any work for a response that could never be kept: the chain of turns it
+    continues and what its input adds (`added` bytes: its turn and its listed items) are alone
+    over the store's budget for a key."""
+    if store.keeps_nothing or store.fits(parent, added):
+        return
+    param = "previous_response_id" if parent is not None else "input"
+    raise BadRequest(f"this conversation is too large to store: it would be over the {store.budget} bytes "
+                     "(max_stored_response_bytes) this server keeps per API key; send 'store': false, or "
+                     "start a new conversation", param=param, code="conversation_too_large")
 
 
 @contextlib.contextmanager
@@ -177,7 +200,7 @@ def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:
     if planned.req.store is False:
         return
     turn = Turn(planned.shape.response_id, (*planned.turn, assistant_turn(body["output"])), planned.parent)
-    store.put(planned.tenant, StoredResponse(turn, body, listed_items(planned.req.input)))
+    store.put(planned.tenant, StoredResponse(turn, body, planned.items))
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:

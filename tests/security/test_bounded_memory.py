@@ -1,0 +1,182 @@
+"""Every cache and store is bounded in bytes, counting what it keeps alive (issue 25, item 2), on
+a real server with two API keys and small budgets:
+
+- the Responses store charges a key for every turn its kept responses keep alive (a parent that
+  continuations pin stays charged after its own response leaves the index), so small
+  continuations of a big response cannot hold more than the key's budget; a continuation whose
+  chain alone is over the budget is refused with a 400 before any work;
+- the grammar cache is bounded by the grammars' estimated bytes, not their count;
+- the tokenizer's remembered tool-group heads are bounded in bytes, each key to its share.
+
+Each bound is exported as a gauge on /metrics, read here as a client reads it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.api.responses.store import ResponseStore, Turn
+from gateway.edge.auth import tenant_salt
+from gateway.engine.constraints import grammar_bytes
+from gateway.settings import load_settings
+from tests.support.server import LiveServer, serve
+
+KEY_A, KEY_B = "key-alpha-bounded-1", "key-beta-bounded-2"
+SALT_A, SALT_B = tenant_salt(KEY_A.encode()), tenant_salt(KEY_B.encode())
+MODEL = "tiny-llama"
+STORE_BUDGET = 20_000  # bytes of kept Responses per key
+GRAMMAR_BUDGET = 3 * 1024**2
+HEADS_BUDGET = 200_000  # each key a quarter: 50,000
+FILLER = "international organization development environment "  # ~13 characters a token
+
+
+def filler(chars: int, tag: str) -> str:
+    return (tag + " " + FILLER * (chars // len(FILLER) + 1))[:chars]
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir, tmp_path_factory) -> Iterator[LiveServer]:
+    settings = load_settings(overrides={
+        "model": str(tiny_model_dir("llama")), "served_model_name": MODEL, "min_prefix_tokens": 8,
+        "api_keys": (KEY_A, KEY_B), "max_stored_response_bytes": STORE_BUDGET,
+        "grammar_cache_bytes": GRAMMAR_BUDGET, "tokenizer_heads_bytes": HEADS_BUDGET,
+        "cache_dir": str(tmp_path_factory.mktemp("cache"))}, environ={})
+    with serve(settings) as live:
+        yield live
+
+
+def post(live: LiveServer, path: str, key: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(live.api_url + path, json={"model": MODEL, **body}, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def respond(live: LiveServer, key: str, **body: Any) -> dict[str, Any]:
+    resp = post(live, "/responses", key, {"max_output_tokens": 3, "temperature": 0, **body})
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def gauge(live: LiveServer, name: str, **labels: str) -> float:
+    text = httpx.get(live.base_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no {name} {labels} on /metrics")
+
+
+def retained_bytes(store: ResponseStore, tenant: str, response_ids: list[str]) -> int:
+    """What `tenant`'s kept responses really hold, measured apart from the store's own count:
+    each kept response's body and input items, and every turn reachable from one, once."""
+    total, seen = 0, set()
+    for response_id in response_ids:
+        stored = store.get(tenant, response_id)
+        if stored is None:
+            continue
+        total += len(orjson.dumps(stored.body)) + len(orjson.dumps(stored.input_items))
+        node: Turn | None = stored.turn
+        while node is not None and id(node) not in seen:
+            seen.add(id(node))
+            total += len(orjson.dumps(node.messages))
+            node = node.parent
+    return total
+
+
+# ---- the Responses store ---------------------------------------------------------------------
+
+
+def test_small_continuations_pinning_a_big_response_stay_within_the_key_budget(keyed):
+    """A big response continued fifteen times with small inputs, each continuing the last: the
+    big one leaves the index, but its turn stays alive in every continuation's conversation. What
+    the key really holds (measured by walking the kept responses) stays within its budget and
+    equals the store's own count: the oldest continuations are evicted, the newest continued."""
+    store: ResponseStore = keyed.app.state.responses
+    last = respond(keyed, KEY_A, input=filler(8000, "the big one"))
+    ids = [last["id"]]
+    for n in range(15):
+        last = respond(keyed, KEY_A, input=f"ok {n}", previous_response_id=last["id"])
+        ids.append(last["id"])
+    held = retained_bytes(store, SALT_A, ids)
+    assert 0 < held <= STORE_BUDGET
+    assert store.tenant_bytes(SALT_A) == held
+    assert store.get(SALT_A, ids[0]) is None and store.get(SALT_A, ids[1]) is None  # the oldest went
+    newest = respond(keyed, KEY_A, input="and then?", previous_response_id=ids[-1])
+    assert store.get(SALT_A, newest["id"]) is not None
+    assert retained_bytes(store, SALT_A, [*ids, newest["id"]]) <= STORE_BUDGET
+    assert gauge(keyed, "toolkv_responses_store_bytes") == store.num_bytes
+    assert gauge(keyed, "toolkv_memory_budget_bytes", structure="responses_store_per_key") == STORE_BUDGET
+
+
+def test_a_continuation_whose_chain_alone_exceeds_the_budget_is_refused_before_any_work(keyed):
+    store: ResponseStore = keyed.app.state.responses
+    first = respond(keyed, KEY_B, input=filler(4000, "first"))
+    before = store.tenant_bytes(SALT_B)
+    big_next = {"input": filler(9000, "second"), "previous_response_id": first["id"], "max_output_tokens": 3}
+    resp = post(keyed, "/responses", KEY_B, big_next)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["param"]) == ("conversation_too_large", "previous_response_id")
+    assert "store" in error["message"] and str(STORE_BUDGET) in error["message"]
+    assert store.tenant_bytes(SALT_B) == before and store.get(SALT_B, first["id"]) is not None
+    unstored = post(keyed, "/responses", KEY_B, {**big_next, "store": False})  # not kept: nothing to refuse
+    assert unstored.status_code == 200, unstored.text
+    assert store.tenant_bytes(SALT_B) == before
+
+
+# ---- the grammar cache -----------------------------------------------------------------------
+
+
+def answer_schema(n: int, description_chars: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"field_{n}": {"type": "string", "description": "d" * description_chars}},
+            "required": [f"field_{n}"]}
+
+
+def structured(live: LiveServer, key: str, schema: dict[str, Any]) -> None:
+    resp = post(live, "/chat/completions", key, {
+        "messages": [{"role": "user", "content": "Fill it in."}], "max_tokens": 2, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    assert resp.status_code == 200, resp.text
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_not_by_count(keyed):
+    """Four distinct ~25 KB schemas (each grammar estimated at ~1 MB): at most what fits the
+    3 MiB budget is kept, the least recently used first out."""
+    grammars = keyed.app.state.runtime.service.grammars
+    for n in range(4):
+        structured(keyed, KEY_A, answer_schema(n, 25_000))
+    kept = [g for g in grammars.cached(SALT_A) if "d" * 25_000 in g]
+    assert len(kept) == 2 and all("field_3" in g or "field_2" in g for g in kept)
+    assert grammars.num_bytes <= GRAMMAR_BUDGET
+    assert grammars.num_bytes == sum(grammar_bytes(g) for ns in (SALT_A, SALT_B, "") for g in grammars.cached(ns))
+    assert gauge(keyed, "toolkv_grammar_cache_bytes") == grammars.num_bytes
+    assert gauge(keyed, "toolkv_memory_budget_bytes", structure="grammar_cache") == GRAMMAR_BUDGET
+
+
+# ---- the tokenizer's heads -------------------------------------------------------------------
+
+
+def tool_group(n: int) -> list[dict[str, Any]]:
+    parameters = {"type": "object", "properties": {"x": {"type": "string"}}}
+    return [{"type": "function", "function": {"name": f"tool_{n}_{i}", "description": filler(2500, f"tool {n} {i}"),
+                                              "parameters": parameters}} for i in range(4)]
+
+
+def test_remembered_tokenizer_heads_are_bounded_in_bytes_per_key(keyed):
+    """Five distinct ~10 KB tool groups from one key: its heads stay within its share of the
+    budget (a quarter), so the first groups are forgotten although the count bound (64) is far."""
+    tokens = keyed.app.state.runtime.service.prompt_tokens
+    for n in range(5):
+        resp = post(keyed, "/chat/completions", KEY_A, {
+            "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "hi"}],
+            "tools": tool_group(n), "max_tokens": 1, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+    remembered = tokens.remembered(SALT_A)
+    assert 1 <= len(remembered) < 5 and "tool_4_0" in remembered[-1]
+    assert not any("tool_0_0" in text for text in remembered)
+    assert tokens.num_bytes <= HEADS_BUDGET and tokens.max_bytes_per_namespace == HEADS_BUDGET // 4
+    assert gauge(keyed, "toolkv_tokenizer_heads_bytes") == tokens.num_bytes
