@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from gateway.api.app import create_app
 from gateway.settings import load_settings
+from tests.api.conftest import RESPONSES_KEYS
 from tests.clients.scenario import ORDER_ARGS, ORDER_ID, hermes_calls, tool_result
-from tests.http.conftest import RESPONSES_KEYS
 from tests.support.family_models import script, scripted_runtime
 from tests.support.server import serve_app
 

@@ -16,8 +16,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from openai.types.responses import Response, ResponseItemList
 
+from tests.api.conftest import RESPONSES_KEYS
 from tests.conftest import STRICT_SPEC
-from tests.http.conftest import RESPONSES_KEYS
 
 MODEL = "tiny-llama"
 KEYS = RESPONSES_KEYS
