@@ -5,7 +5,7 @@ malformed JSON, streams dropped mid-way). It measures B's latency under attack a
 server's RSS (its /metrics) at the start and the end, and the status of every hostile request: a
 5xx (or a dropped connection the bench did not drop itself) is a failure.
 
-Key A is TOOLKV_BENCH_HOSTILE_KEY; with `--spawn` the bench starts the server with both keys
+Key A is $HOSTILE_SOAK_KEY; with `--spawn` the bench starts the server with both keys
 (`spawn_env`). Against a running server without that variable, A sends with B's key (noted).
 """
 
@@ -25,7 +25,7 @@ from gateway.bench.context import Context, ScenarioResult
 from gateway.bench.stats import percentile
 
 NAME = "hostile-soak"
-HOSTILE_KEY_ENV = "TOOLKV_BENCH_HOSTILE_KEY"
+HOSTILE_KEY_ENV = "HOSTILE_SOAK_KEY"  # not TOOLKV_: a spawned server would warn of an unknown setting
 SPAWN_NORMAL_KEY = "bench-normal-key"
 SPAWN_HOSTILE_KEY = "bench-hostile-key"
 HOSTILE_WORKERS = 2  # key A's concurrent senders
