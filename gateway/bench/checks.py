@@ -13,6 +13,8 @@ from gateway.bench.agent_report import TARGET_EXTRA_TOKENS
 from gateway.bench.constrained_report import TARGET_GRAMMAR_SHARE
 from gateway.bench.fleet_report import TARGET_HOT_OVER_BALANCED_P95
 from gateway.bench.history_report import TARGET_HISTORY_RSS_GROWTH
+from gateway.bench.hostile import TARGET_B_RATIO as TARGET_HOSTILE_B_RATIO
+from gateway.bench.hostile import TARGET_RSS_GROWTH as TARGET_HOSTILE_RSS_GROWTH
 from gateway.bench.report import (
     TARGET_COMPILE_OVERLAP_RATIO,
     TARGET_OVERHEAD_MS,
@@ -145,6 +147,24 @@ def _fleet_p95(s: Scenarios, report: dict[str, Any]) -> str:
             f"(target <= {TARGET_HOT_OVER_BALANCED_P95:g}x)")
 
 
+def _hostile_b(s: Scenarios, report: dict[str, Any]) -> str:
+    ratio = s.get("hostile-soak", {}).get("b_ratio_p50")
+    return (f"hostile-soak: key B's latency p50 under attack over alone: {_x(ratio)} "
+            f"(target <= {TARGET_HOSTILE_B_RATIO:g}x)")
+
+
+def _hostile_rss(s: Scenarios, report: dict[str, Any]) -> str:
+    h = s.get("hostile-soak", {})
+    return (f"hostile-soak: server RSS {_pct_growth(h.get('rss_growth_mb'), h.get('rss_start_mb'))} "
+            f"(target: at most {TARGET_HOSTILE_RSS_GROWTH:.0%})")
+
+
+def _hostile_5xx(s: Scenarios, report: dict[str, Any]) -> str:
+    h = s.get("hostile-soak", {})
+    return (f"hostile-soak: {h.get('hostile_failures', '-')} hostile requests answered 5xx or dropped, key B "
+            f"errors {h.get('b_errors', '-')} (target: none)")
+
+
 DESCRIBE: dict[str, Callable[[Scenarios, dict[str, Any]], str]] = {
     "hit_speedup_at_least_15x": _single,
     "hit_overhead_under_20ms": _overhead,
@@ -162,6 +182,9 @@ DESCRIBE: dict[str, Callable[[Scenarios, dict[str, Any]], str]] = {
     "fleet_first_compile_on_one_replica": _fleet_once,
     "fleet_hot_spreads": _fleet_spreads,
     "fleet_hot_p95_within_2x_balanced": _fleet_p95,
+    "hostile_b_within_2x": _hostile_b,
+    "hostile_rss_bounded": _hostile_rss,
+    "hostile_no_5xx": _hostile_5xx,
 }
 
 

@@ -310,8 +310,9 @@ def _server_settings(args: argparse.Namespace) -> dict[str, Any]:
         config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
         settings = load_settings(config, {"model": args.model})
         device = pick_device(settings.device)
+        plan = engine_plan(settings, device)
         out.update(device=str(device), dtype=str(pick_dtype(settings.dtype, device)).removeprefix("torch."),
-                   backend=engine_plan(settings, device).kernels)
+                   backend=plan.backend + (", batch invariant" if plan.batch_invariant else ""))
     except Exception as exc:  # the report says so; the measurements stand
         out["settings_error"] = f"{type(exc).__name__}: {exc}"
     return out

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gateway.bench.checks import check_lines, checks
+from gateway.bench.checks import DESCRIBE, check_lines, checks
 from gateway.bench.client import Sample, parse_server_timing
 from gateway.bench.command import _default_scenarios, _plan, _stdout_console
 from gateway.bench.context import ScenarioResult
@@ -222,6 +222,18 @@ def test_checks_say_what_was_measured_and_which_targets_were_missed():
     lines = check_lines(list(found.values()))
     assert lines[0] == "check: 2 of 3 measured targets missed (13 not measured by this run's scenarios)"
     assert lines[1].startswith("  MISSED hit_speedup_at_least_15x: ") and len(lines) == 4
+
+
+def test_every_target_has_its_line():
+    """A target added to report.targets without a line in checks.DESCRIBE would print its bare name."""
+    hostile = {"b_ratio_p50": 1.4, "rss_start_mb": 1000.0, "rss_growth_mb": 300.0, "hostile_failures": 0,
+               "b_errors": 0}
+    report = {"scenarios": {"hostile-soak": hostile}, "floor": {"by_tools": {}}}
+    report["targets"] = targets(report["scenarios"])
+    assert set(report["targets"]) == set(DESCRIBE)
+    found = {c.name: c for c in checks(report)}
+    assert found["hostile_rss_bounded"].result == "missed" and "+30.0% of 1,000 MB" in found["hostile_rss_bounded"].line
+    assert found["hostile_b_within_2x"].result == "ok" and found["hostile_no_5xx"].result == "ok"
 
 
 def test_the_table_carries_measurements_only():

@@ -84,3 +84,6 @@ def test_spawn_mode_runs_the_restart_scenario_on_its_own_server(tiny_model_dir: 
     before, first = (s["ttft_s"] for s in restart["samples"][:2])
     assert restart["restart_speedup"] == pytest.approx(before / first, rel=0.01)
     assert "Started server process" in (out / "server.log").read_text()
+    settings = report["settings"]  # what the spawned server resolved its settings to, for report.html
+    assert settings["device"] in ("cpu", "cuda") and settings["dtype"]
+    assert settings["backend"].split(",")[0] in ("torch", "triton")
