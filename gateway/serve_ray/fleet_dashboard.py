@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics_core import Metric
 
-from gateway.api.dashboard import MAX_GROUP_ROWS, engine, request_totals, totals, ttft_windows
+from gateway.api.dashboard import MAX_GROUP_ROWS, engine, request_totals, totals, ttft_ceiling_ms, ttft_windows
 from gateway.metrics import EngineView
 from gateway.serve_ray.fleet_calls import ReplicaAnswer, ask_replicas, fleet_status, replica_health
 from gateway.serve_ray.fleet_metrics import fleet_families, ingress_name, only_replica
@@ -50,7 +50,8 @@ async def fleet_stats(request: Request) -> JSONResponse:
         "totals": _fleet_totals(families, rows, request.app.state.settings.replica_cache),
         "engine": _fleet_engine(families, request.app.state.settings.kv_block_tokens)
         if any(a.status == 200 for a in scraped) else None,
-        "ttft_windows": windows.to_json(), "window_s": windows.window_s, "groups": _groups(stats),
+        "ttft_windows": (points := windows.to_json()), "ttft_ceiling_ms": ttft_ceiling_ms(points),
+        "window_s": windows.window_s, "groups": _groups(stats),
         "replicas": rows})
 
 
