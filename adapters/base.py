@@ -83,7 +83,7 @@ def canonical_rank(tool: ToolSpec) -> tuple[int, str]:
     hash, size either way), largest first keeps the longest common prefix when one tool is added
     or removed: 52-69% of the old group's tokens averaged over every position (name order: 46-53%),
     and 95-98% when the change is at the end (the smallest tool). The KV before the first
-    differing token is reused (README, "Agent loops")."""
+    differing token is reused (docs/design.md, agent loops)."""
     size = len(json.dumps(tool.openai_dict(), sort_keys=True, ensure_ascii=False))
     return -size, tool.name
 

@@ -183,7 +183,7 @@ class Settings(BaseSettings):
         (), description="Host names (or name:port) the open gateway answers besides its bound address and "
                         "loopback; '*' answers any Host (no DNS-rebinding check). Not checked once API keys exist")
 
-    # proxy mode (README, "Proxy mode"): no model; requests go to these OpenAI-compatible servers
+    # proxy mode (docs/operations/proxy.md): no model; requests go to these OpenAI-compatible servers
     upstreams: Annotated[tuple[str, ...], Cli("--upstream", "--upstreams", metavar="URL")] = Field(
         (), description="proxy mode: no local model; forward to these OpenAI-compatible servers, routed by tool "
                         "group (base URLs; a trailing /v1 is dropped)", json_schema_extra=section("proxy mode"))
@@ -220,7 +220,7 @@ class Settings(BaseSettings):
         "count. Before the first event the next upstream is tried; after it the stream ends with "
         "an error event."))
 
-    # Ray Serve mode (README, "Scaling out on Ray Serve"): engine replicas behind one ingress
+    # Ray Serve mode (docs/operations/ray.md): engine replicas behind one ingress
     replicas: Annotated[int, Cli(metavar="N")] = Field(
         1, ge=1, description="run N engine replicas on Ray Serve behind one ingress that routes by tool group "
                              "(needs the `ray` extra)", json_schema_extra=section("Ray Serve"))

@@ -1,1 +1,1 @@
-"""Proxy mode: toolkv in front of OpenAI-compatible servers, routing by tool group (README, "Proxy mode")."""
+"""Proxy mode: toolkv in front of OpenAI-compatible servers, routing by tool group (docs/operations/proxy.md)."""
