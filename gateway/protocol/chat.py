@@ -28,29 +28,30 @@ PROMPT_CACHE_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
 MAX_TOKEN_ID_DIGITS = 20  # no vocabulary is near 10**20 tokens; longer keys would not even parse as an int
 
 
-class _Lenient(BaseModel):
-    """Unknown keys are ignored (vendor extras); known keys are typed strictly."""
+class Lenient(BaseModel):
+    """Unknown keys are ignored (vendor extras); known keys are typed strictly. The base of every
+    wire model here and in responses.py and messages.py."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class FunctionCallIn(_Lenient):
+class FunctionCallIn(Lenient):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallWire(_Lenient):
+class ToolCallWire(Lenient):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class MessageIn(_Lenient):
+class MessageIn(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -77,14 +78,14 @@ class MessageIn(_Lenient):
                            tool_call_id=self.tool_call_id, name=self.name)
 
 
-class FunctionSpecIn(_Lenient):
+class FunctionSpecIn(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)  # OpenAI's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolIn(_Lenient):
+class ToolIn(Lenient):
     type: Literal["function"] = "function"
     function: FunctionSpecIn
 
@@ -93,26 +94,26 @@ class ToolIn(_Lenient):
                         parameters=self.function.parameters)
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class AllowedTool(_Lenient):
+class AllowedTool(Lenient):
     type: Literal["function"]
     function: NamedFunction
 
 
-class AllowedTools(_Lenient):
+class AllowedTools(Lenient):
     mode: Literal["auto", "required"]
     tools: list[AllowedTool] = Field(min_length=1)
 
 
-class AllowedToolsChoice(_Lenient):
+class AllowedToolsChoice(Lenient):
     """Calls restricted to a subset of `tools`, which are all still rendered into the prompt (so the
     tool group, and its cached KV, is the same whatever the subset)."""
 
@@ -137,14 +138,14 @@ ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode"
                        | Annotated[AllowedToolsChoice, Tag("AllowedTools")], Discriminator(_choice_kind)]
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (valid for it)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -166,7 +167,7 @@ class ResponseFormat(_Lenient):
         return None
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
@@ -175,6 +176,14 @@ class UnsupportedField(ValueError):
 
     def __init__(self, field: str) -> None:
         super().__init__(f"'{field}' is not supported by this server")
+        self.field = field
+
+
+class UnsupportedValue(UnsupportedField):
+    """A known field holding a value toolkv does not implement (a hosted tool, an image part)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        ValueError.__init__(self, message)
         self.field = field
 
 
@@ -192,7 +201,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(Lenient):
     model: str | None = None
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None

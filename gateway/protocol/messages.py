@@ -17,27 +17,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from gateway.errors import BadRequest
-from gateway.protocol.chat import MAX_TOKENS_LIMIT, UnsupportedField
+from gateway.protocol.chat import MAX_TOKENS_LIMIT, Lenient, UnsupportedField, UnsupportedValue
 
 
-class _Lenient(BaseModel):
-    """Unknown keys are ignored (vendor extras); known keys are typed strictly."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class UnsupportedValue(UnsupportedField):
-    """A known field holding a value toolkv does not implement (an image block, a server tool)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        ValueError.__init__(self, message)
-        self.field = field
-
-
-class CacheControl(_Lenient):
+class CacheControl(Lenient):
     """A prompt-caching breakpoint: honoured implicitly (the tool group and earlier turns are cached
     whether marked or not, and kept by toolkv's own eviction, whatever the `ttl`)."""
 
@@ -45,13 +31,13 @@ class CacheControl(_Lenient):
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Lenient):
+class TextBlock(Lenient):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
 
 
-class ToolUseBlock(_Lenient):
+class ToolUseBlock(Lenient):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -59,7 +45,7 @@ class ToolUseBlock(_Lenient):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Lenient):
+class ToolResultBlock(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: list[TextBlock] | str | None = None  # list first in errors: they name the block
@@ -80,12 +66,12 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBl
                          | Annotated[ToolResultBlock, Tag("ToolResult")], Discriminator(_block_kind)]
 
 
-class MessageIn(_Lenient):
+class MessageIn(Lenient):
     role: Literal["user", "assistant", "system"]
     content: Annotated[list[ContentBlock], Field(min_length=1)] | str  # list first: errors name the block
 
 
-class ToolIn(_Lenient):
+class ToolIn(Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
@@ -94,39 +80,39 @@ class ToolIn(_Lenient):
     cache_control: CacheControl | None = None
 
 
-class AutoChoice(_Lenient):
+class AutoChoice(Lenient):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
 
 
-class AnyChoice(_Lenient):
+class AnyChoice(Lenient):
     type: Literal["any"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceNamed(_Lenient):
+class ToolChoiceNamed(Lenient):
     type: Literal["tool"]
     name: str = Field(min_length=1)
     disable_parallel_tool_use: bool | None = None
 
 
-class NoneChoice(_Lenient):
+class NoneChoice(Lenient):
     type: Literal["none"]
 
 
 ToolChoice = Annotated[AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice, Field(discriminator="type")]
 
 
-class Metadata(_Lenient):
+class Metadata(Lenient):
     user_id: str | None = None
 
 
-class JsonOutputFormat(_Lenient):
+class JsonOutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Lenient):
+class OutputConfig(Lenient):
     format: JsonOutputFormat | None = None
     effort: Literal["high"] | None = None  # Anthropic's default; other levels: see UNSUPPORTED_FIELDS
 
@@ -153,7 +139,7 @@ UNSUPPORTED_TOOL_FIELDS: dict[str, Any] = {
 TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(Lenient):
     model: str | None = None
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     messages: list[MessageIn] = Field(min_length=1)

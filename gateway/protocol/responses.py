@@ -13,41 +13,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
-from gateway.protocol.chat import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, UnsupportedField
+from gateway.protocol.chat import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Lenient, UnsupportedField, UnsupportedValue
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
 
 
-class _Lenient(BaseModel):
-    """Unknown keys are ignored (vendor extras); known keys are typed strictly."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class UnsupportedValue(UnsupportedField):
-    """A known field holding a value toolkv does not implement (a hosted tool, an image part)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        ValueError.__init__(self, message)
-        self.field = field
-
-
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class MessageItem(_Lenient):
+class MessageItem(Lenient):
     type: Literal["message"] = "message"
     id: str | None = None  # an item's own id (a past output item sent back) is kept for listing
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(Lenient):
     type: Literal["function_call"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -55,7 +41,7 @@ class FunctionCallItem(_Lenient):
     arguments: str
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -72,7 +58,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("Message")] | Annotated[Functio
                       | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")], Discriminator(_item_kind)]
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
@@ -80,17 +66,17 @@ class FunctionTool(_Lenient):
     strict: bool | None = None
 
 
-class FunctionChoice(_Lenient):
+class FunctionChoice(Lenient):
     type: Literal["function"]
     name: str
 
 
-class AllowedFunction(_Lenient):
+class AllowedFunction(Lenient):
     type: Literal["function"]
     name: str
 
 
-class AllowedToolsChoice(_Lenient):
+class AllowedToolsChoice(Lenient):
     """Calls restricted to a subset of `tools` (all of which stay in the prompt and its cache)."""
 
     type: Literal["allowed_tools"]
@@ -110,15 +96,15 @@ ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode"
                        | Annotated[AllowedToolsChoice, Tag("AllowedTools")], Discriminator(_choice_kind)]
 
 
-class PlainText(_Lenient):
+class PlainText(Lenient):
     type: Literal["text"]
 
 
-class JsonObject(_Lenient):
+class JsonObject(Lenient):
     type: Literal["json_object"]
 
 
-class JsonSchema(_Lenient):
+class JsonSchema(Lenient):
     type: Literal["json_schema"]
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     schema_: dict[str, Any] = Field(alias="schema")
@@ -129,12 +115,12 @@ class JsonSchema(_Lenient):
 TextFormat = Annotated[PlainText | JsonObject | JsonSchema, Field(discriminator="type")]
 
 
-class TextConfig(_Lenient):
+class TextConfig(Lenient):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # low / high: see UNSUPPORTED_ITEMS
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_obfuscation: bool = True  # padding against length side channels: nothing to pad here
 
 
@@ -165,7 +151,7 @@ UNSUPPORTED_TOOL_FIELDS: dict[str, Any] = {
 }
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(Lenient):
     model: str | None = None
     input: list[InputItem] | str | None = None  # list first: its errors name the item
     instructions: str | None = None
