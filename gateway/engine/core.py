@@ -397,7 +397,7 @@ class Engine:
             job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
         if seq.stream.stopped:
             self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
-            job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids)))
+            job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids), seq.stream.stopped_by))
             return
         if seq.generated >= job.params.max_tokens:
             self._finish(seq, "length", job.params.max_tokens)

@@ -44,6 +44,7 @@ class Finished:
     finish_reason: Literal["stop", "length"]
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
+    stop_sequence: str | None = None  # the job's stop string that ended it, if one did
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,7 +237,8 @@ class Decoder(Protocol):
 
 class TextStream:
     """Accumulates generated tokens; yields only text that is final (complete characters, and not
-    possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears."""
+    possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears;
+    `stopped_by` is that sequence (the first in the text; of two at one place, the first listed)."""
 
     def __init__(self, decoder: Decoder, stop: tuple[str, ...],
                  special_ids: frozenset[int] = frozenset(), keep_ids: frozenset[int] = frozenset()) -> None:
@@ -248,6 +249,7 @@ class TextStream:
         self.emitted_chars = 0
         self.text_chars = 0  # where the text written so far ends (see _written_chars)
         self.stopped = False
+        self.stopped_by: str | None = None
         # Special tokens are dropped from the text, except the family's tool-call markers (a
         # Mistral model writes `[TOOL_CALLS]` as one special token, and the parser needs it).
         self.keep_ids = keep_ids
@@ -281,8 +283,12 @@ class TextStream:
 
     def _stop_at(self, text: str) -> int | None:
         start = max(0, self.emitted_chars - self.holdback)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, n) for n, i in enumerate(text.find(s, start) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, which = min(hits)
+        self.stopped_by = self.stop[which]
+        return at
 
     def _take(self, text: str, end: int) -> str:
         if end <= self.emitted_chars:
