@@ -5,9 +5,10 @@ are named in data) -> client (one timed request) -> context (plan, context and r
 scenario) -> scenarios (the registry; single, toolcount, interleaved, restart, concurrent,
 compile-overlap, soak), conversations (agent, history), constrained (whose answers validity.py
 checks) and fleet (which reads the ingress's /metrics with fleet_metrics.py) -> floor (the
-in-process limit) -> report, agent_report, history_report, constrained_report and fleet_report
-(numbers, JSON, tables; percentiles in stats) and plots; command runs them, server spawns
-`toolkv serve`, options is the command line (names: the scenarios' names).
+in-process limit) -> report, concurrency_report, floor_report, agent_report, history_report,
+constrained_report and fleet_report (numbers, JSON, tables; percentiles and ratios in stats) and
+plots; command runs them, server spawns `toolkv serve`, options is the command line (names: the
+scenarios' names).
 """
 
 from gateway.bench.options import register

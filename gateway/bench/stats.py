@@ -1,4 +1,5 @@
-"""Percentiles and millisecond spreads, shared by the report modules and the plots."""
+"""Percentiles, millisecond spreads and ratios, shared by the report modules and the plots, and
+how the report modules write a number or a ratio in a table."""
 
 from __future__ import annotations
 
@@ -29,3 +30,22 @@ def ms_spread(values_s: list[float]) -> dict[str, float | None]:
 
 def ttft_stats(samples: list[Sample]) -> dict[str, float | None]:
     return ms_spread([s.ttft_s for s in samples if s.ttft_s is not None])
+
+
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator to 2 decimals; None when either is missing or zero."""
+    return round(numerator / denominator, 2) if numerator and denominator else None
+
+
+def num(value: float | None, digits: int = 0) -> str:
+    """A number as a table cell: thousands separated, '-' when not measured."""
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def times(value: float | None) -> str:
+    """A ratio as a table cell: '1.25x', '-' when not measured."""
+    return "-" if value is None else f"{value:.2f}x"
