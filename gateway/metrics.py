@@ -132,6 +132,9 @@ class Metrics:
         self.decode_seconds = Counter("toolkv_decode_seconds_total",
                                       "Time of the batched decode forwards (the model, one token per sequence)",
                                       registry=r)
+        self.memory = Gauge("toolkv_memory_bytes",
+                            "Bytes the engine holds on its device: the model's weights, the KV pool (allocated "
+                            "at start-up), the CUDA graphs' memory pool (0 without graphs)", ["part"], registry=r)
         self.engine = EngineView()
         self._engine_totals = TotalsTracker()
         self._engine_lock = threading.Lock()
@@ -150,6 +153,8 @@ class Metrics:
             self.kv_blocks.labels(state="free").set(max(0, stats.kv_blocks_total - stats.kv_blocks_used))
             self.kv_blocks.labels(state="cached").set(stats.kv_blocks_cached)
             self.conversation_records.set(stats.conversation_records)
+            for part, num_bytes in (stats.memory.parts() if stats.memory is not None else {}).items():
+                self.memory.labels(part=part).set(num_bytes)
             grown = self._engine_totals.advance({
                 "preemptions": stats.preemptions_total, "queries": stats.prefix_queries_tokens_total,
                 "hits": stats.prefix_hits_tokens_total, "steps": stats.steps_total,

@@ -36,6 +36,15 @@ def buckets(max_rows: int) -> list[int]:
     return sorted({*sizes, max_rows})
 
 
+def pool_bytes(segments: list[dict[str, Any]], pool_id: Any) -> int:
+    """Bytes of the segments (`torch.cuda.memory_snapshot()`'s) that the memory pool `pool_id` (a
+    graph's `pool()`) holds; 0 when none matches."""
+    if pool_id is None:
+        return 0
+    wanted = tuple(pool_id)
+    return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == wanted)
+
+
 class StepGraphs:
     def __init__(self, runner: ModelRunner, max_rows: int) -> None:
         self.runner = runner
@@ -54,6 +63,7 @@ class StepGraphs:
                                    torch.arange(tiles, dtype=torch.int32) * attention.PREFILL_BLOCK_M]).to(device)
         self._decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_bytes = 0  # the graphs' private memory pool, once captured
 
     def fits_decode(self, rows: int) -> bool:
         return rows <= self.max_rows
@@ -64,6 +74,7 @@ class StepGraphs:
     def capture(self) -> None:
         """Capture every bucket, the largest first (its memory pool serves the smaller ones)."""
         started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.runner.device)
         self._fill_padding()
         pool = None
         for size in reversed(self.prefill_sizes):
@@ -73,9 +84,13 @@ class StepGraphs:
             step = StepInputs([], [1] * size, self.runner.pool, self._decode_layout(size), self._slots[:size])
             pool = self._capture(self._decode, size, step, None, pool)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs (decode batch 1-%d, prompt chunks up to %d tokens) in %.1fs",
+        segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        # Else the memory reserved while capturing (it also counts the eager warm passes' cached blocks).
+        self.num_bytes = (pool_bytes(segments, pool) or
+                          max(0, torch.cuda.memory_reserved(self.runner.device) - reserved))
+        log.info("captured %d CUDA graphs (decode batch 1-%d, prompt chunks up to %d tokens) in %.1fs, %.0f MiB",
                  len(self._decode) + len(self._prefill), self.max_rows, max(self.prefill_sizes, default=0),
-                 time.perf_counter() - started)
+                 time.perf_counter() - started, self.num_bytes / 2**20)
 
     def _capture(self, into: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int, step: StepInputs,
                  last: torch.Tensor | None, pool: Any) -> Any:

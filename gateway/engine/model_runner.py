@@ -35,6 +35,7 @@ from torch import nn
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
+from gateway.engine.stats import MemoryUse
 from gateway.kvcache.block_pool import BlockPool, BlockRun
 
 ATTENTION_NAME = "toolkv_blocks"
@@ -221,6 +222,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self._split = _Split()
         self.graphs: Any = None  # engine/cuda_graphs.StepGraphs, once captured
+        self.weights_bytes = tensor_bytes(model)
         model.requires_grad_(False)  # autograd bookkeeping changes which kernels run
         model.config._attn_implementation = ATTENTION_NAME
         for module in model.modules():
@@ -229,6 +231,11 @@ class ModelRunner:
                 config._attn_implementation = ATTENTION_NAME
             if batch_invariant and type(module) is nn.Linear:  # bitsandbytes' 4-bit layers keep their own
                 module.forward = _bind(self._split, module)  # type: ignore[method-assign]
+
+    def memory(self) -> MemoryUse:
+        """What the weights, the KV pool and the captured CUDA graphs take on the device."""
+        graphs = self.graphs.num_bytes if self.graphs is not None else 0
+        return MemoryUse(self.weights_bytes, self.pool.tensor_bytes, graphs)
 
     @property
     def reads_pool_only(self) -> bool:
@@ -268,6 +275,13 @@ class ModelRunner:
         if self.backend == "triton":
             step.layout, step.slots = build_layout(rows, sizes, self.device)
         return step
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied weights share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
 
 
 def _bind(split: _Split, layer: nn.Linear) -> Any:

@@ -9,6 +9,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """Bytes the engine holds on its device, by part: the model's weights (parameters and buffers),
+    the KV block pool (allocated once at start-up, whatever is in it), and the private memory pool
+    of the CUDA graphs captured at start-up (0 without graphs: the CPU, the torch backend)."""
+
+    weights_bytes: int
+    kv_pool_bytes: int
+    cuda_graphs_bytes: int = 0
+
+    def parts(self) -> dict[str, int]:
+        """{part: bytes}, the parts as `toolkv_memory_bytes{part}` names them."""
+        return {"weights": self.weights_bytes, "kv_pool": self.kv_pool_bytes, "cuda_graphs": self.cuda_graphs_bytes}
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot. Gauges are as of now; `*_total` fields are counts since start."""
 
@@ -31,6 +46,7 @@ class EngineStats:
     constraint_seconds_total: float = 0.0  # the grammar's time for those: masks and following
     decode_steps_total: int = 0  # batched decode forwards
     decode_seconds_total: float = 0.0  # their time (the model's forward, one token per sequence)
+    memory: MemoryUse | None = None  # None: the engine did not say (ModelRunner.memory() does)
 
     @property
     def kv_usage(self) -> float:

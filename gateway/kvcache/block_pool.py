@@ -119,6 +119,11 @@ class BlockPool:
     def num_bytes(self) -> int:
         return self.num_blocks * self.block_tokens * self.shape.bytes_per_token
 
+    @property
+    def tensor_bytes(self) -> int:
+        """What the pool's tensors take on the device: the blocks and the scratch token."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
