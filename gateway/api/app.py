@@ -19,7 +19,6 @@ from pydantic import BaseModel
 from gateway.api import cache_routes, dashboard
 from gateway.api import completions as completions_api
 from gateway.api import messages as messages_api
-from gateway.api.completions import CompletionRequest
 from gateway.api.generation import (
     CLIENT_CLOSED_REQUEST,
     GONE,
@@ -42,8 +41,11 @@ from gateway.edge.limits import BodySizeLimit
 from gateway.edge.shutdown_answer import CutOffAnswer
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
+from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.completions import CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
+from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, build_runtime, loaded_runtime
 from gateway.settings import Settings
@@ -146,22 +148,37 @@ def _install_routes(app: FastAPI) -> None:
             req, prepared = planned
             runtime = current_runtime(request)
             if not req.stream:
-                return await whole_json(request, runtime, prepared, runtime.service.complete(prepared))
+                return await whole_json(request, runtime, prepared, _whole(runtime, prepared))
             return await _streamed(request, runtime, prepared, req.include_usage, release)
 
         return await serve_generation(request, chat_output.new_completion_id(), _prepare, respond)
 
 
+async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
+    answer = await runtime.service.complete(prepared)
+    return chat_output.completion_dict(prepared.request_id, prepared.model_name, answer,
+                                       runtime.service.system_fingerprint, prepared.legacy_functions)
+
+
 async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, include_usage: bool,
                     release: Release) -> Response:
     state = request.app.state
-    chunks = runtime.service.stream(prepared, include_usage)
+    events = runtime.service.stream(prepared)
     # Errors before the first byte become plain HTTP errors; a client that leaves while its
     # stream is still queued cancels it too (the stream records its own 499).
-    first = await unless_disconnected(request, anext(chunks))
+    first = await unless_disconnected(request, anext(events))
     if first is GONE:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return sse_response(state, prepared, sse_data(first, chunks, state.metrics, prepared.request_id), release)
+    chat = chat_output.ChatChunks(prepared.request_id, prepared.model_name, runtime.service.system_fingerprint,
+                                  include_usage=include_usage, legacy_functions=prepared.legacy_functions)
+    chunks = _chunks(chat, chain(first, events))
+    return sse_response(state, prepared, sse_data(None, chunks, state.metrics, prepared.request_id), release)
+
+
+async def _chunks(chat: chat_output.ChatChunks, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[dict[str, Any]]:
+    async for event in events:
+        for chunk in chat.of(event):
+            yield chunk
 
 
 def _prepare(arrival: Arrival) -> tuple[ChatCompletionRequest, Prepared]:

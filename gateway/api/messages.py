@@ -41,10 +41,11 @@ from gateway.api.messages_stream import (
 )
 from gateway.errors import APIError
 from gateway.metrics import Metrics
+from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.messages import MessagesRequest, chat_body, messages_param
-from gateway.serving.jobs import Outcome, Prepared
-from gateway.serving.jobs import usage_of as chat_usage_of
+from gateway.serving.answers import chain
+from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
 # Not in /openapi.json, which describes the OpenAI-compatible API (Anthropic publishes this one's).
@@ -94,46 +95,37 @@ def _in_messages_terms() -> Iterator[None]:
 
 
 async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
-    completion = await runtime.service.complete(prepared)
-    choice = completion["choices"][0]
-    return message_body(prepared.request_id, prepared.model_name, content_of(choice["message"]),
-                        stop_reason(choice["finish_reason"]), usage_of(completion["usage"]))
+    answer = await runtime.service.complete(prepared)
+    return message_body(prepared.request_id, prepared.model_name, content_of(answer),
+                        stop_reason(answer.finish_reason, answer.stop_sequence), usage_of(answer.usage),
+                        answer.stop_sequence)
 
 
 async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, release: Release) -> Response:
-    chunks = runtime.service.stream(prepared, include_usage=True)
+    answer = runtime.service.stream(prepared)
     # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
-    # is still queued cancels it (the chat stream records its 499).
-    first = await unless_disconnected(request, anext(chunks))
+    # is still queued cancels it (the chat service records its 499).
+    first = await unless_disconnected(request, anext(answer))
     if first is GONE:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = _events(first, chunks, prepared, request.app.state.metrics)
+    events = _events(chain(first, answer), prepared, request.app.state.metrics)
     return sse_response(request.app.state, prepared, events, release)
 
 
-async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], prepared: Prepared,
+async def _events(answer: AsyncIterator[AnswerEvent], prepared: Prepared,
                   metrics: Metrics) -> AsyncIterator[dict[str, str]]:
     stream = MessageEvents(prepared.request_id, prepared.model_name)
-    # the prompt's usage is known once the first chunk is: the engine reported its prefill
-    prompt_usage = usage_of(chat_usage_of(prepared, Outcome(prefilled=prepared.prefilled)))
-    for event in stream.start(prompt_usage) + stream.feed(first):
-        yield _sse(event)
     try:
-        async for chunk in chunks:
-            for event in stream.feed(chunk):
+        async for answer_event in answer:
+            for event in stream.feed(answer_event):
                 yield _sse(event)
     except APIError as exc:
         for event in stream.fail(exc.message, exc.status_code):
             yield _sse(event)
-        return
     except Exception:  # a bug after the first byte: end the stream with an error, count it
         log_stream_bug(metrics, prepared.request_id)
         for event in stream.fail("internal server error", 500):
             yield _sse(event)
-        return
-    assert stream.chat_usage is not None  # the chat stream ends with usage when asked
-    for event in stream.finish(usage_of(stream.chat_usage)):
-        yield _sse(event)
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:

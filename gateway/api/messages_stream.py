@@ -1,5 +1,6 @@
-"""The Messages API's answer, from what the chat service returns: the message (from a whole
-completion) and its streaming events (from the stream's chunks).
+"""The Messages API's answer, from the typed answer the chat service returns
+(gateway/protocol/answer.py): the message (from a whole answer) and its streaming events (from
+the answer's events).
 
 A message's content is its text block (if any text was written), then one tool_use block per
 call (`toolu_` + the call's id). Streamed, in Anthropic's order: `message_start` (the message with
@@ -7,7 +8,8 @@ no content yet, and the prompt's usage), `ping`, then the content blocks, each
 `content_block_start`, its deltas and `content_block_stop` (a text block's deltas are
 `text_delta`s; a tool_use block opens with its id and name and an empty `input`, and its deltas
 are `input_json_delta`s whose `partial_json` fragments add up to the input), then
-`message_delta` (the stop reason, and the whole usage: counts there are totals) and
+`message_delta` (the stop reason and the stop sequence that ended the answer, if one did, and
+the whole usage: counts there are totals) and
 `message_stop`. A block closes when the next one opens or the answer ends; an error after the
 first byte is an `error` event in Anthropic's envelope, which ends the stream.
 """
@@ -18,6 +20,7 @@ import json
 import uuid
 from typing import Any, Literal
 
+from gateway.protocol.answer import Answer, AnswerEvent, CallArguments, CallStarted, Started, TextWritten, Usage
 from gateway.protocol.messages import error_body
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
@@ -33,19 +36,18 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def stop_reason(finish_reason: str) -> StopReason:
-    """Chat's finish reason as Anthropic's. The engine does not say whether a stop sequence or the
-    model's end token ended the answer: both are `end_turn`."""
-    return STOP_REASONS.get(finish_reason, "end_turn")
+def stop_reason(finish_reason: str, stop_sequence: str | None = None) -> StopReason:
+    """The answer's finish reason as Anthropic's: `stop_sequence` when one of the request's
+    `stop_sequences` ended it."""
+    return "stop_sequence" if stop_sequence is not None else STOP_REASONS.get(finish_reason, "end_turn")
 
 
-def usage_of(chat_usage: dict[str, Any]) -> dict[str, int]:
+def usage_of(usage: Usage) -> dict[str, int]:
     """Anthropic's usage: the prompt split into tokens read from the cache, tokens written to it
     (the tool group a miss computed and stored) and the rest (`input_tokens`)."""
-    details = chat_usage.get("prompt_tokens_details") or {}
-    read, written = details.get("cached_tokens", 0), details.get("cache_write_tokens", 0)
-    return {"input_tokens": max(chat_usage["prompt_tokens"] - read - written, 0),
-            "output_tokens": chat_usage["completion_tokens"],
+    read, written = usage.cached_tokens, usage.cache_write_tokens
+    return {"input_tokens": max(usage.prompt_tokens - read - written, 0),
+            "output_tokens": usage.completion_tokens,
             "cache_creation_input_tokens": written, "cache_read_input_tokens": read}
 
 
@@ -58,12 +60,11 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_of(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat answer's message as content blocks: its text (if any), then one tool_use per call."""
-    blocks = [text_block(message["content"])] if message.get("content") else []
-    for call in message.get("tool_calls") or ():
-        function = call["function"]
-        blocks.append(tool_use_block(call["id"], function["name"], tool_input(function["arguments"])))
+def content_of(answer: Answer) -> list[dict[str, Any]]:
+    """An answer as content blocks: its text (if any), then one tool_use per call."""
+    blocks = [text_block(answer.content)] if answer.content else []
+    for call in answer.tool_calls:
+        blocks.append(tool_use_block(call.call_id, call.name, tool_input(call.arguments)))
     return blocks
 
 
@@ -76,49 +77,40 @@ def tool_use_block(call_id: str, name: str, arguments: dict[str, Any]) -> dict[s
 
 
 def message_body(message_id: str, model: str, content: list[dict[str, Any]], reason: StopReason | None,
-                 usage: dict[str, int]) -> dict[str, Any]:
+                 usage: dict[str, int], stop_sequence: str | None = None) -> dict[str, Any]:
     return {"id": message_id, "type": "message", "role": "assistant", "content": content, "model": model,
-            "stop_reason": reason, "stop_sequence": None, "usage": usage}
+            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
 # ---- streamed --------------------------------------------------------------------------------
 
 
 class MessageEvents:
-    """Chat chunks in (`feed`), Messages events out; `finish` or `fail` ends the message."""
+    """Answer events in (`feed`), Messages events out; `fail` ends the message early."""
 
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id = message_id
         self.model = model
         self.blocks = 0  # content blocks opened so far (the open one is the last)
         self.open: Literal["text", "tool_use"] | None = None
-        self.finish_reason = "stop"
-        self.chat_usage: dict[str, Any] | None = None
 
-    def start(self, usage: dict[str, int]) -> list[dict[str, Any]]:
-        """`usage`: the prompt's, known once the first chunk is in hand (output_tokens 0)."""
-        message = message_body(self.message_id, self.model, [], None, usage)
-        return [{"type": "message_start", "message": message}, {"type": "ping"}]
-
-    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        if chunk.get("usage") is not None:
-            self.chat_usage = chunk["usage"]
-        events: list[dict[str, Any]] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._write_text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._write_call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return events
-
-    def finish(self, usage: dict[str, int]) -> list[dict[str, Any]]:
-        """The closing events; `usage`: the whole answer's."""
-        events = self._close()
-        events.append({"type": "message_delta", "delta": {"stop_reason": stop_reason(self.finish_reason),
-                                                          "stop_sequence": None}, "usage": usage})
+    def feed(self, event: AnswerEvent) -> list[dict[str, Any]]:
+        if isinstance(event, Started):
+            message = message_body(self.message_id, self.model, [], None, usage_of(event.prompt))
+            return [{"type": "message_start", "message": message}, {"type": "ping"}]
+        if isinstance(event, TextWritten):
+            return self._write_text(event.text)
+        if isinstance(event, CallStarted):
+            block = tool_use_block(event.call_id, event.name, {})
+            return self._close() + self._start(block, "tool_use")
+        if isinstance(event, CallArguments):
+            if not event.fragment or self.open != "tool_use":
+                return []
+            return [self._delta({"type": "input_json_delta", "partial_json": event.fragment})]
+        events = self._close()  # Ended: the closing events, with the whole answer's usage
+        reason = stop_reason(event.finish_reason, event.stop_sequence)
+        events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": event.stop_sequence},
+                       "usage": usage_of(event.usage)})
         events.append({"type": "message_stop"})
         return events
 
@@ -133,17 +125,6 @@ class MessageEvents:
         if self.open != "text":
             events += self._close() + self._start(text_block(""), "text")
         events.append(self._delta({"type": "text_delta", "text": text}))
-        return events
-
-    def _write_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        function = call.get("function") or {}
-        if "id" in call:  # a call's first delta: a new block
-            events += self._close() + self._start(tool_use_block(call["id"], function.get("name", ""), {}),
-                                                  "tool_use")
-        fragment = function.get("arguments") or ""
-        if fragment and self.open == "tool_use":
-            events.append(self._delta({"type": "input_json_delta", "partial_json": fragment}))
         return events
 
     def _start(self, block: dict[str, Any], kind: Literal["text", "tool_use"]) -> list[dict[str, Any]]:

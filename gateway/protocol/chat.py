@@ -201,31 +201,71 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
-class ChatCompletionRequest(Lenient):
+class SamplingFields(Lenient):
+    """The fields chat and legacy completions share: the model, sampling, stops, streaming and
+    the cache hints, validated the same way for both."""
+
     model: str | None = None
-    messages: list[MessageIn] = Field(min_length=1)
-    tools: list[ToolIn] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's seed is an int64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
     n: int | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # accepted; routes the request in proxy mode and the fleet
     # "24h": the tool group stays cached at least a day (not evicted by LRU); "in_memory": plain LRU
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return check_logit_bias(bias)
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """The stop strings (an empty one stops nothing: it is dropped)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(s for s in stops if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def retention_s(self) -> float:
+        """How long the tool group is kept at least (0: LRU alone decides)."""
+        return PROMPT_CACHE_RETENTION_S if self.prompt_cache_retention == "24h" else 0.0
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Legacy function calling, served as `tools` / `tool_choice` (see `_legacy_functions`).
     functions: list[FunctionSpecIn] | None = Field(None, min_length=1, max_length=128)
     function_call: Literal["none", "auto"] | NamedFunction | None = None
@@ -246,11 +286,6 @@ class ChatCompletionRequest(Lenient):
         if top and not info.data.get("logprobs"):  # as OpenAI: asking for alternatives needs logprobs on
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         return top
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        return check_logit_bias(bias)
 
     @field_validator("functions")
     @classmethod
@@ -285,35 +320,6 @@ class ChatCompletionRequest(Lenient):
         self.tool_choice = NamedToolChoice(function=choice) if isinstance(choice, NamedFunction) else choice
         self.parallel_tool_calls = False
         return self
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stop
-
-    @property
-    def stop_sequences(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def retention_s(self) -> float:
-        """How long the tool group is kept at least (0: LRU alone decides)."""
-        return PROMPT_CACHE_RETENTION_S if self.prompt_cache_retention == "24h" else 0.0
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required"]:

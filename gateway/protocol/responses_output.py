@@ -1,6 +1,6 @@
 """The Responses API's response objects: output items (`message` with `output_text` parts,
 `function_call`), usage, and the response itself with the request's settings echoed, built
-from what the chat service returns (a completion, or its stream's chunks)."""
+from the typed answer (answer.py), whole or as its stream's events."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from gateway.protocol.answer import Answer, Usage
 from gateway.protocol.responses import ResponsesRequest
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -45,18 +46,16 @@ def status_of(finish_reason: str) -> Literal["completed", "incomplete"]:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_of(message: dict[str, Any], finish_reason: str,
-              logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """A chat completion's message (and its `logprobs.content`) as output items: its text (if
-    any, or if there is nothing else), then one `function_call` item per call."""
-    calls = message.get("tool_calls") or []
-    text = message.get("content") or ""
-    entries = text_logprobs(logprobs or [], text, bool(calls))
-    items = [message_item(new_item_id("msg"), text, status_of(finish_reason), entries)] if text or not calls else []
+def output_of(answer: Answer) -> list[dict[str, Any]]:
+    """A whole answer as output items: its text (if any, or if there is nothing else), then one
+    `function_call` item per call."""
+    text, calls = answer.content or "", answer.tool_calls
+    entries = text_logprobs(answer.logprobs or [], text, bool(calls))
+    items = []
+    if text or not calls:
+        items.append(message_item(new_item_id("msg"), text, status_of(answer.finish_reason), entries))
     for call in calls:
-        function = call["function"]
-        items.append(function_call_item(new_item_id("fc"), call["id"], function["name"], function["arguments"],
-                                        "completed"))
+        items.append(function_call_item(new_item_id("fc"), call.call_id, call.name, call.arguments, "completed"))
     return items
 
 
@@ -86,16 +85,14 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
     return turn
 
 
-def usage_of(chat_usage: dict[str, Any]) -> dict[str, Any]:
-    """Chat usage in the Responses shape (cache reads and writes as chat counts them)."""
-    details = chat_usage["prompt_tokens_details"]
+def usage_of(usage: Usage) -> dict[str, Any]:
+    """An answer's usage in the Responses shape (cache reads and writes as chat counts them)."""
     return {
-        "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": details["cached_tokens"],
-                                 "cache_write_tokens": details["cache_write_tokens"]},
-        "output_tokens": chat_usage["completion_tokens"],
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.cache_write_tokens},
+        "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": chat_usage["total_tokens"],
+        "total_tokens": usage.total_tokens,
     }
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from gateway.engine import EngineEvent, Finished, Job, Prefilled
 from gateway.engine.sampling import TokenLogprob
 from gateway.protocol import chat_output
+from gateway.protocol.answer import Usage
 
 
 @dataclass(slots=True)
@@ -66,12 +66,12 @@ class Outcome:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def usage_of(prepared: Prepared, outcome: Outcome) -> dict[str, Any]:
+def usage_of(prepared: Prepared, outcome: Outcome) -> Usage:
+    """The answer's token counts so far (before the prefill: zeros)."""
     pre = outcome.prefilled
     completion = outcome.finish.completion_tokens if outcome.finish else 0
-    return chat_output.usage_dict(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
-                               prepared.cache_write_tokens)
-
+    return Usage(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
+                 prepared.cache_write_tokens)
 
 
 def unset_emit(event: EngineEvent) -> None:

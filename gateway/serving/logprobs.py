@@ -76,12 +76,12 @@ class StreamLogprobs:
         if self._texts is not None:
             self._pending.extend(entries)
 
-    def take(self) -> dict[str, Any] | None:
+    def take(self) -> list[dict[str, Any]] | None:
         if self._texts is None or not self._pending:
             return None
         content = self._texts.content(self._pending, self._keep_ids)
         self._pending.clear()
-        return {"content": content, "refusal": None}
+        return content
 
 
 class LegacyLogprobs:
@@ -93,11 +93,11 @@ class LegacyLogprobs:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self._chars = 0
 
-    def shape(self, chat_logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A chat choice's `logprobs` (None: no tokens) in this shape; None when not asked for."""
+    def shape(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """Chat-shaped entries (None: no tokens) in this shape; None when not asked for."""
         if not self._asked:
             return None
-        content: list[dict[str, Any]] = chat_logprobs["content"] if chat_logprobs else []
+        content = entries or []
         offsets = []
         for entry in content:
             offsets.append(self._chars)

@@ -1,12 +1,12 @@
 """The chat service: a validated chat request becomes an engine job (render, tokenize and cut at the
-end of the tool group, the grammar, sampling), and the engine's events become OpenAI answers, whole
-or streamed (assembled by answers.py, measured by accounting.py)."""
+end of the tool group, the grammar, sampling), and the engine's events become the typed answer
+every API renders (gateway/protocol/answer.py), whole or streamed (assembled by answers.py,
+measured by accounting.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import logging
 import threading
@@ -35,9 +35,10 @@ from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
-from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.answer import Answer, AnswerEvent, Ended, Started
+from gateway.protocol.chat import ChatCompletionRequest, SamplingFields
 from gateway.serving.accounting import Accounting
-from gateway.serving.answers import CallTracker, assistant_message, call_finish, chain
+from gateway.serving.answers import CallTracker, call_finish, chain, content_and_calls
 from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,
@@ -115,7 +116,9 @@ class ChatService:
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
             forced_ids = self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
             ids += forced_ids
-        params = self._sampling(req, len(ids))
+        params = self.sampling(req, len(ids), max_tokens=req.max_completion_tokens or req.max_tokens,
+                               default_max_tokens=self.default_max_tokens, prompt_param="messages",
+                               logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
         single_call = req.parallel_tool_calls is False
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
@@ -239,22 +242,24 @@ class ChatService:
         tool group, in the shared namespace (what warming fills)."""
         return self.prompt_tokens.encode(text, prefix_chars)
 
-    def _sampling(self, req: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+    def sampling(self, req: SamplingFields, prompt_len: int, *, max_tokens: int | None, default_max_tokens: int,
+                 prompt_param: str, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        """A chat or completions request's sampling; `max_tokens` is what it asked for (None: the
+        default, cut to the room the context leaves)."""
         room = self.context_len - prompt_len
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt is {prompt_len} tokens; this model's context is {self.context_len} tokens",
-                param="messages")
-        asked = req.max_completion_tokens or req.max_tokens
-        if asked is not None and asked > room:
+                param=prompt_param)
+        if max_tokens is not None and max_tokens > room:
             raise ContextLengthExceeded(
-                f"prompt ({prompt_len} tokens) + max_tokens ({asked}) exceeds the context of "
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                 f"{self.context_len} tokens", param="max_tokens")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        return SamplingParams(max_tokens=min(asked or self.default_max_tokens, room),
-                              temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              seed=req.seed, stop=req.stop_sequences, logprobs=bool(req.logprobs),
-                              top_logprobs=req.top_logprobs or 0, frequency_penalty=req.frequency_penalty or 0.0,
+        return SamplingParams(max_tokens=min(max_tokens or default_max_tokens, room),
+                              temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop_sequences,
+                              logprobs=logprobs, top_logprobs=top_logprobs,
+                              frequency_penalty=req.frequency_penalty or 0.0,
                               presence_penalty=req.presence_penalty or 0.0,
                               logit_bias=self.logit_bias(req.logit_bias))
 
@@ -268,11 +273,11 @@ class ChatService:
                                  f"(token ids 0..{self.num_token_ids - 1})", param="logit_bias")
         return pairs
 
-    def logprobs_content(self, prepared: Prepared, entries: list[TokenLogprob]) -> dict[str, Any] | None:
-        """`choices[0].logprobs` of a whole answer: None unless the request asked for logprobs."""
+    def answer_logprobs(self, prepared: Prepared, entries: list[TokenLogprob]) -> list[dict[str, Any]] | None:
+        """Every token's logprobs entry of a whole answer: None unless the request asked."""
         if not prepared.job.params.logprobs:
             return None
-        return {"content": self.token_texts.content(entries, prepared.job.keep_token_ids), "refusal": None}
+        return self.token_texts.content(entries, prepared.job.keep_token_ids)
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -304,7 +309,7 @@ class ChatService:
         finally:
             self.engine.abort(prepared.job)  # no-op when finished; stops and frees it otherwise
 
-    async def complete(self, prepared: Prepared) -> dict[str, Any]:
+    async def complete(self, prepared: Prepared) -> Answer:
         outcome = Outcome()
         async for event in self.events(prepared):
             self.accounting.observe(prepared, outcome, event)
@@ -314,22 +319,19 @@ class ChatService:
             elif isinstance(event, Failed):
                 raise GenerationFailed(event.message)
         assert outcome.finish is not None and outcome.prefilled is not None
-        message, finish_reason = assistant_message(self.family, "".join(outcome.text_parts), prepared,
-                                                   outcome.finish, self.metrics.tool_parse_failures.inc)
-        usage = usage_of(prepared, outcome)
+        content, calls, finish_reason = content_and_calls(self.family, "".join(outcome.text_parts), prepared,
+                                                          outcome.finish, self.metrics.tool_parse_failures.inc)
         self.accounting.record(prepared, outcome, "200", stream=False)
-        return chat_output.completion_dict(prepared.request_id, prepared.model_name, message,
-                                        finish_reason, usage, self.system_fingerprint,
-                                        logprobs=self.logprobs_content(prepared, outcome.logprobs),
-                                        legacy_functions=prepared.legacy_functions)
+        return Answer(content, calls, finish_reason, usage_of(prepared, outcome),
+                      self.answer_logprobs(prepared, outcome.logprobs), outcome.finish.stop_sequence)
 
-    async def stream(self, prepared: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """Chunks: role first, then content / tool-call deltas, one finish_reason, optional usage.
-        A client that goes away cancels the generation, and is counted and logged as 499."""
+    async def stream(self, prepared: Prepared) -> AsyncIterator[AnswerEvent]:
+        """`Started` once the prompt is in, then the text and calls as they are written, then
+        `Ended`. A client that goes away cancels the generation, and is counted and logged as 499."""
         outcome = Outcome()
         try:
-            async for chunk in self._stream(prepared, include_usage, outcome):
-                yield chunk
+            async for event in self._stream(prepared, outcome):
+                yield event
         except (asyncio.CancelledError, GeneratorExit):
             self.record_disconnect(prepared, outcome, stream=True)
             raise
@@ -338,11 +340,7 @@ class ChatService:
         """The client went away before the response was complete (nginx's 499)."""
         self.accounting.record(prepared, outcome or Outcome(prefilled=prepared.prefilled), "499", stream=stream)
 
-    async def _stream(self, prepared: Prepared, include_usage: bool,
-                      outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
-        chunk = functools.partial(chat_output.chunk_dict, prepared.request_id, int(time.time()), prepared.model_name,
-                                  system_fingerprint=self.system_fingerprint,
-                                  legacy_functions=prepared.legacy_functions)
+    async def _stream(self, prepared: Prepared, outcome: Outcome) -> AsyncIterator[AnswerEvent]:
         logprobs = StreamLogprobs(self.token_texts if prepared.job.params.logprobs else None,
                                   prepared.job.keep_token_ids)
         streamer = SyntaxStreamer(self.family.call_syntax()) if prepared.tools_active else None
@@ -351,31 +349,29 @@ class ChatService:
         handoff = prepared.job.first_token_sent = threading.Event()
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
-        # A forced call's answer is only calls: its content is null from the first chunk, as OpenAI's
-        yield chunk({"role": "assistant", "content": None if prepared.forced_opening else ""})
-        for delta in calls.deltas(opening):
-            yield chunk(delta)
-        async for event in chain(first, events):
-            self.accounting.observe(prepared, outcome, event)
-            if isinstance(event, Failed):
+        yield Started(usage_of(prepared, Outcome(prefilled=prepared.prefilled)), bool(prepared.forced_opening))
+        for event in calls.events(opening):
+            yield event
+        async for engine_event in chain(first, events):
+            self.accounting.observe(prepared, outcome, engine_event)
+            if isinstance(engine_event, Failed):
                 self.accounting.record(prepared, outcome, "500", stream=True)
-                raise GenerationFailed(event.message)
-            if isinstance(event, TextDelta):
-                logprobs.add(event.logprobs)
-                pieces = streamer.feed(event.text) if streamer else [ContentDelta(event.text)]
-                for delta in calls.deltas(pieces):
-                    yield chunk(delta, logprobs=logprobs.take())
-                handoff.set()  # the consumer asked for more: the chunks above were sent
+                raise GenerationFailed(engine_event.message)
+            if isinstance(engine_event, TextDelta):
+                logprobs.add(engine_event.logprobs)
+                pieces = streamer.feed(engine_event.text) if streamer else [ContentDelta(engine_event.text)]
+                for event in calls.events(pieces, logprobs.take):
+                    yield event
+                handoff.set()  # the consumer asked for more: the events above were sent
         if streamer is not None:
-            for delta in calls.deltas(streamer.finish()):
-                yield chunk(delta, logprobs=logprobs.take())
+            for event in calls.events(streamer.finish(), logprobs.take):
+                yield event
             if streamer.parse_failed:
                 self.metrics.tool_parse_failures.inc()
         assert outcome.finish is not None
         reason = call_finish(outcome.finish) if calls.count else outcome.finish.finish_reason
-        yield chunk({}, finish_reason=reason, logprobs=logprobs.take())  # what no text chunk carried
-        if include_usage:
-            yield chunk(None, usage=usage_of(prepared, outcome))
+        # the entries no event carried; the consumer asks for more once it has sent the end
+        yield Ended(reason, usage_of(prepared, outcome), logprobs.take(), outcome.finish.stop_sequence)
         self.accounting.record(prepared, outcome, "200", stream=True)
 
 

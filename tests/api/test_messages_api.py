@@ -284,3 +284,19 @@ def test_streamed_text_and_calls_arrive_as_their_blocks(scripted):
                       if name == "content_block_delta" and data["index"] == index) for index in (1, 2)]
     assert [json.loads(text) for text in inputs] == [ORDER_ARGS, {"order_id": "#W1"}]
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_a_stop_sequence_that_ends_the_answer_is_named_whole_and_streamed(scripted):
+    """Anthropic reports which of the request's `stop_sequences` ended the message (`stop_reason`
+    `stop_sequence`); an answer that ends on its own says `end_turn` and `stop_sequence` null."""
+    client = sdk(scripted)
+    args = dict(model=MODEL, max_tokens=50, messages=ask(script("Order shipped. END here.")),
+                stop_sequences=["NEVER", "END"], extra_body=GREEDY)
+    whole = client.messages.create(**args)
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "END")
+    assert [(b.type, b.text) for b in whole.content] == [("text", "Order shipped. ")]
+    with client.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "END")
+    unstopped = client.messages.create(**{**args, "stop_sequences": ["NEVER"]})
+    assert (unstopped.stop_reason, unstopped.stop_sequence) == ("end_turn", None)

@@ -133,6 +133,15 @@ def test_with_a_stop_sequence_logprobs_follow_the_text_sent(live, strict):
     assert spelled(carried) == sent == whole["message"]["content"]
 
 
+def test_an_empty_stop_string_stops_nothing_in_chat_as_in_completions(live):
+    """`stop: ""` matches everywhere; OpenAI treats it as no stop. Chat once stopped at once, with
+    an empty answer, where completions (which drop empty stops) wrote the whole answer."""
+    plain = chat(live, greedy()).json()["choices"][0]["message"]["content"]
+    assert plain
+    for stop in ("", [""], ["", "\u0000never"]):
+        assert chat(live, greedy(stop=stop)).json()["choices"][0]["message"]["content"] == plain
+
+
 def test_the_sdk_reads_logprobs_whole_and_streamed(client):
     resp = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=4, logprobs=True,
                                           top_logprobs=1)

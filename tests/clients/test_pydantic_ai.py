@@ -112,6 +112,7 @@ def test_a_step_restricted_to_some_tools_keeps_every_tool_and_calls_an_allowed_o
     for call in calls:
         assert call["function"]["name"] in allowed
         assert_valid_call(first.request["tools"], call["function"]["name"], call["function"]["arguments"])
-    assert ran == [call["function"]["name"] for call in calls]
+    # pydantic-ai runs parallel calls concurrently (sync tools in threads): any order
+    assert sorted(ran) == sorted(call["function"]["name"] for call in calls)
     assert answer.body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert isinstance(result.output, str) and result.output

@@ -1,4 +1,4 @@
-"""The Responses API's pieces without a server: chat stream chunks into Responses events (every
+"""The Responses API's pieces without a server: the answer's events into Responses events (every
 event valid for the SDK's type, numbered in order, items closed in output order; a failure ends
 with `error` and `response.failed`; logprobs on the text deltas), input items into chat messages
 and into listed items (and their pages), and the per-key response store's LRU order and deletes."""
@@ -13,19 +13,13 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from gateway.api.responses.retrieval import InputItemsQuery, listed_items, page
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn, stored_bytes
 from gateway.api.responses.stream import ResponseEvents
+from gateway.protocol.answer import Answer, CallArguments, CallStarted, Ended, Started, TextWritten, ToolCall, Usage
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.protocol.responses_output import ResponseShape, output_of
 
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
-USAGE = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
-         "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
-
-
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None,
-          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    carried = {"content": logprobs, "refusal": None} if logprobs is not None else None
-    return {"choices": [{"index": 0, "delta": delta or {}, "logprobs": carried, "finish_reason": finish}]}
+USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=4)
 
 
 def entry(token: str, logprob: float = -1.0) -> dict[str, Any]:
@@ -35,20 +29,12 @@ def entry(token: str, logprob: float = -1.0) -> dict[str, Any]:
             "top_logprobs": [{"token": token, "logprob": logprob, "bytes": raw}]}
 
 
-def start(index: int, call_id: str, name: str) -> dict[str, Any]:
-    return chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                  "function": {"name": name, "arguments": ""}}]})
-
-
-def fragment(index: int, text: str) -> dict[str, Any]:
-    return chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
-
-
-def run(chunks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ResponseEvents]:
+def run(answer: list[Any]) -> tuple[list[dict[str, Any]], ResponseEvents]:
+    """The events of a stream that started and then wrote `answer` (not yet ended)."""
     stream = ResponseEvents(ResponseShape.of("resp_1", ResponsesRequest(), "m"))
-    events = stream.start()
-    for c in chunks:
-        events += stream.feed(c)
+    events = []
+    for event in [Started(Usage(10, 0, 4), forced_call=False), *answer]:
+        events += stream.feed(event)
     return events, stream
 
 
@@ -59,10 +45,10 @@ def check(events: list[dict[str, Any]]) -> None:
 
 
 def test_text_then_two_calls_close_each_item_before_the_next_opens():
-    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({"content": "Let me "}),
-                          chunk({"content": "check."}), start(0, "call_a", "f"), fragment(0, '{"x": '),
-                          fragment(0, "1}"), start(1, "call_b", "g"), fragment(1, "{}"), chunk({}, "tool_calls")])
-    closing, body = stream.finish(USAGE)
+    events, stream = run([TextWritten("Let me "), TextWritten("check."), CallStarted(0, "call_a", "f"),
+                          CallArguments(0, '{"x": '), CallArguments(0, "1}"), CallStarted(1, "call_b", "g"),
+                          CallArguments(1, "{}")])
+    closing, body = stream.finish(Ended("tool_calls", USAGE))
     events += closing
     check(events)
     kinds = [e["type"] for e in events]
@@ -86,8 +72,8 @@ def test_text_then_two_calls_close_each_item_before_the_next_opens():
 
 
 def test_a_length_finish_is_incomplete_and_so_is_its_message():
-    events, stream = run([chunk({"content": "Once upon"}), chunk({}, "length")])
-    closing, body = stream.finish(USAGE)
+    events, stream = run([TextWritten("Once upon")])
+    closing, body = stream.finish(Ended("length", USAGE))
     check(events + closing)
     assert closing[-1]["type"] == "response.incomplete"
     final = Response.model_validate(body, strict=True)
@@ -95,15 +81,15 @@ def test_a_length_finish_is_incomplete_and_so_is_its_message():
 
 
 def test_an_empty_answer_is_one_empty_message_as_in_a_whole_response():
-    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({}, "stop")])
-    closing, body = stream.finish(USAGE)
+    events, stream = run([])
+    closing, body = stream.finish(Ended("stop", USAGE))
     check(events + closing)
     final = Response.model_validate(body, strict=True)
     assert [(o.type, o.content[0].text) for o in final.output] == [("message", "")]
 
 
 def test_a_failure_ends_with_an_error_event_and_response_failed():
-    events, stream = run([chunk({"content": "Hel"})])
+    events, stream = run([TextWritten("Hel")])
     events += stream.fail("the model produced non-finite logits", "generation_failed")
     check(events)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
@@ -112,12 +98,11 @@ def test_a_failure_ends_with_an_error_event_and_response_failed():
 
 
 def test_each_text_delta_carries_its_tokens_logprobs_and_the_done_event_all_of_them():
-    """An end token's entry (no text) comes in the finish chunk: it joins the `.done` event, as it
+    """An end token's entry (no text) comes with the answer's end: it joins the `.done` event, as it
     is in chat's whole `logprobs.content`."""
     hel, lo, end = entry("Hel", -0.5), entry("lo", -0.25), {**entry(""), "logprob": -2.0}
-    events, stream = run([chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"}, logprobs=[hel]),
-                          chunk({"content": "lo"}, logprobs=[lo]), chunk({}, "stop", logprobs=[end])])
-    closing, body = stream.finish(USAGE)
+    events, stream = run([TextWritten("Hel", [hel]), TextWritten("lo", [lo])])
+    closing, body = stream.finish(Ended("stop", USAGE, [end]))
     events += closing
     check(events)
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
@@ -132,13 +117,10 @@ def test_each_text_delta_carries_its_tokens_logprobs_and_the_done_event_all_of_t
     assert part.logprobs[0].top_logprobs[0].token == "Hel"
 
 
-def test_text_logprobs_held_back_go_out_with_the_next_delta_and_call_tokens_are_not_text():
+def test_call_tokens_logprobs_are_not_text():
     held, tail, call = entry("Let"), entry(" me"), entry("<tool_call>")
-    events, stream = run([chunk({}, logprobs=[held]), chunk({"content": "Let me"}, logprobs=[tail]),
-                          chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                                                 "function": {"name": "f", "arguments": ""}}]}, logprobs=[call]),
-                          chunk({}, "tool_calls", logprobs=[entry("</tool_call>")])])
-    closing, body = stream.finish(USAGE)
+    events, stream = run([TextWritten("Let me", [held, tail]), CallStarted(0, "call_a", "f", [call])])
+    closing, body = stream.finish(Ended("tool_calls", USAGE, [entry("</tool_call>")]))
     check(events + closing)
     [delta] = [e for e in events if e["type"] == "response.output_text.delta"]
     assert delta["logprobs"] == [held, tail]
@@ -146,12 +128,10 @@ def test_text_logprobs_held_back_go_out_with_the_next_delta_and_call_tokens_are_
 
 
 def test_a_whole_answers_text_part_has_the_entries_that_spell_its_text_not_its_calls():
-    message = {"role": "assistant", "content": "Hi.", "tool_calls": [
-        {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     entries = [entry("Hi"), entry("."), entry("<tool_call>"), entry("{}")]
-    text, call = output_of(message, "tool_calls", entries)
+    text, call = output_of(Answer("Hi.", (ToolCall("call_a", "f", "{}"),), "tool_calls", USAGE, entries))
     assert text["content"][0]["logprobs"] == entries[:2] and "logprobs" not in call
-    [alone] = output_of({"role": "assistant", "content": "Hi."}, "stop", [*entries[:2], entry("")])
+    [alone] = output_of(Answer("Hi.", (), "stop", USAGE, [*entries[:2], entry("")]))
     assert alone["content"][0]["logprobs"] == [*entries[:2], entry("")]  # all of them, as chat's
 
 

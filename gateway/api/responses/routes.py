@@ -35,6 +35,7 @@ from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
 from gateway.errors import APIError, BadRequest
+from gateway.protocol.answer import AnswerEvent, Ended
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.protocol.responses_output import (
@@ -45,6 +46,7 @@ from gateway.protocol.responses_output import (
     status_of,
     usage_of,
 )
+from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
@@ -149,51 +151,43 @@ def _in_responses_terms() -> Iterator[None]:
 
 
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
-    completion = await runtime.service.complete(planned.prepared)
-    choice = completion["choices"][0]
-    logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else None
-    output = output_of(choice["message"], choice["finish_reason"], logprobs)
-    body = planned.shape.body(status_of(choice["finish_reason"]), output,
-                              usage_of(completion["usage"]))
+    answer = await runtime.service.complete(planned.prepared)
+    body = planned.shape.body(status_of(answer.finish_reason), output_of(answer), usage_of(answer.usage))
     _keep(store, planned, body)
     return body
 
 
 async def _streamed(request: Request, runtime: Runtime, planned: Planned, store: ResponseStore,
                     release: Release) -> Response:
-    chunks = runtime.service.stream(planned.prepared, include_usage=True)
+    answer = runtime.service.stream(planned.prepared)
     # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
-    # is still queued cancels it (the chat stream records its 499).
-    first = await unless_disconnected(request, anext(chunks))
+    # is still queued cancels it (the chat service records its 499).
+    first = await unless_disconnected(request, anext(answer))
     if first is GONE:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = _events(first, chunks, planned, store, request.app.state.metrics)
+    events = _events(chain(first, answer), planned, store, request.app.state.metrics)
     return sse_response(request.app.state, planned.prepared, events, release)
 
 
-async def _events(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], planned: Planned,
-                  store: ResponseStore, metrics: Any) -> AsyncIterator[dict[str, str]]:
+async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: ResponseStore,
+                  metrics: Any) -> AsyncIterator[dict[str, str]]:
     stream = ResponseEvents(planned.shape)
-    for event in stream.start() + stream.feed(first):
-        yield _sse(event)
     try:
-        async for chunk in chunks:
-            for event in stream.feed(chunk):
+        async for answer_event in answer:
+            if isinstance(answer_event, Ended):
+                events, body = stream.finish(answer_event)
+                _keep(store, planned, body)  # kept before the client can see it is done
+            else:
+                events = stream.feed(answer_event)
+            for event in events:
                 yield _sse(event)
     except APIError as exc:
         for event in stream.fail(exc.message, exc.code):
             yield _sse(event)
-        return
     except Exception:  # a bug after the first byte: end the response as failed, count it
         log_stream_bug(metrics, planned.prepared.request_id)
         for event in stream.fail("internal server error", "server_error"):
             yield _sse(event)
-        return
-    assert stream.chat_usage is not None  # the chat stream ends with usage when asked
-    events, body = stream.finish(usage_of(stream.chat_usage))
-    _keep(store, planned, body)  # kept before the client can see it is done
-    for event in events:
-        yield _sse(event)
 
 
 def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:

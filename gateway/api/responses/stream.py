@@ -1,11 +1,11 @@
-"""The Responses API's streaming events, from the chat service's stream chunks.
+"""The Responses API's streaming events, from the answer's events (gateway/protocol/answer.py).
 
-A small state machine: content deltas write a `message` item (opened with
+A small state machine: written text makes a `message` item (opened with
 `response.output_item.added` and `response.content_part.added`, written with
 `response.output_text.delta`, closed with `...output_text.done`, `...content_part.done`,
-`...output_item.done`; each delta carries the logprobs, when asked, of the tokens the chat
-chunk sent with its text, and entries a chunk sent without text join the next delta, or else the
-`.done` event); a tool call's first delta opens a `function_call` item, its argument
+`...output_item.done`; each delta carries the logprobs, when asked, of the tokens the answer
+event sent with its text, and entries the answer's end carried join the `.done` event); a
+started call opens a `function_call` item, its argument
 fragments are `response.function_call_arguments.delta`, and it closes with
 `...function_call_arguments.done` and `...output_item.done`. An item closes when the next one
 opens or the stream ends. Events are numbered from 0 (`sequence_number`), as OpenAI numbers them:
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.protocol.answer import CallArguments, CallStarted, Ended, Started, TextWritten
 from gateway.protocol.responses_output import (
     ItemStatus,
     ResponseShape,
@@ -27,6 +28,7 @@ from gateway.protocol.responses_output import (
     new_item_id,
     status_of,
     text_part,
+    usage_of,
 )
 
 
@@ -61,7 +63,8 @@ class _CallItem:
 
 
 class ResponseEvents:
-    """Chat chunks in (`feed`), Responses events out; `finish` or `fail` ends the response."""
+    """Answer events in (`feed`, then `finish` with the `Ended`), Responses events out; `fail`
+    ends the response early."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
@@ -69,37 +72,34 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # closed items, in output order
         self.text: _TextItem | None = None  # the open message item
         self.call: _CallItem | None = None  # the open function_call item
-        self.loose: list[dict[str, Any]] = []  # text tokens' logprobs a chunk sent without text
-        self.finish_reason = "stop"
-        self.chat_usage: dict[str, Any] | None = None
 
-    def start(self) -> list[dict[str, Any]]:
-        body = self.shape.body("in_progress", [], None)
-        return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
+    def feed(self, event: Started | TextWritten | CallStarted | CallArguments) -> list[dict[str, Any]]:
+        if isinstance(event, Started):
+            body = self.shape.body("in_progress", [], None)
+            return [self._event("response.created", response=body),
+                    self._event("response.in_progress", response=body)]
+        if isinstance(event, TextWritten):
+            return self._write_text(event.text, event.logprobs or [])
+        if isinstance(event, CallStarted):
+            events = self._close("completed")
+            self.call = _CallItem(new_item_id("fc"), event.call_id, event.name)
+            events.append(self._event("response.output_item.added", output_index=len(self.output),
+                                      item=self.call.item("in_progress")))
+            return events
+        if not event.fragment or self.call is None:
+            return []
+        self.call.fragments.append(event.fragment)
+        return [self._event("response.function_call_arguments.delta", item_id=self.call.item_id,
+                            output_index=len(self.output), delta=event.fragment)]
 
-    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        if chunk.get("usage") is not None:
-            self.chat_usage = chunk["usage"]
-        events: list[dict[str, Any]] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            entries = (choice.get("logprobs") or {}).get("content") or []
-            if delta.get("content"):
-                events += self._write_text(delta["content"], entries)
-            elif self.call is None and not delta.get("tool_calls"):
-                self.loose += entries  # tokens that wrote no text yet (held back, or the end token)
-            for call in delta.get("tool_calls") or ():
-                events += self._write_call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return events
-
-    def finish(self, usage: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def finish(self, end: Ended) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The closing events and the final response body."""
-        status = status_of(self.finish_reason)
+        status = status_of(end.finish_reason)
         events = self._open_text() if not self.output and self.call is None else []  # an empty answer
+        if self.text is not None:  # the entries of tokens no text event carried (the end token's)
+            self.text.logprobs += end.logprobs or []
         events += self._close(status)
-        body = self.shape.body(status, self.output, usage)
+        body = self.shape.body(status, self.output, usage_of(end.usage))
         events.append(self._event(f"response.{status}", response=body))
         return events, body
 
@@ -113,7 +113,6 @@ class ResponseEvents:
     def _write_text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = self._close_call() + self._open_text()
         assert self.text is not None
-        logprobs, self.loose = self.loose + logprobs, []
         self.text.parts.append(text)
         self.text.logprobs += logprobs
         events.append(self._text_event("response.output_text.delta", delta=text, logprobs=logprobs))
@@ -127,29 +126,12 @@ class ResponseEvents:
                             item=self.text.item("in_progress")),
                 self._part_event("response.content_part.added", text_part(""))]
 
-    def _write_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        function = call.get("function") or {}
-        if "id" in call:  # a call's first delta: a new item
-            events += self._close("completed")
-            self.call = _CallItem(new_item_id("fc"), call["id"], function.get("name", ""))
-            events.append(self._event("response.output_item.added", output_index=len(self.output),
-                                      item=self.call.item("in_progress")))
-        fragment = function.get("arguments") or ""
-        if fragment and self.call is not None:
-            self.call.fragments.append(fragment)
-            events.append(self._event("response.function_call_arguments.delta", item_id=self.call.item_id,
-                                      output_index=len(self.output), delta=fragment))
-        return events
-
     def _close(self, status: ItemStatus) -> list[dict[str, Any]]:
         return self._close_text(status) + self._close_call()
 
     def _close_text(self, status: ItemStatus) -> list[dict[str, Any]]:
         if self.text is None:
             return []
-        self.text.logprobs += self.loose
-        self.loose = []
         text, logprobs = self.text.text, self.text.logprobs
         events = [self._text_event("response.output_text.done", text=text, logprobs=logprobs),
                   self._part_event("response.content_part.done", text_part(text, logprobs)),
