@@ -28,7 +28,7 @@ from gateway.bench.bfcl import ConstrainedRows, RowsError
 from gateway.bench.checks import check_lines, checks
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
 from gateway.bench.constrained import load_rows
-from gateway.bench.context import BaselineFleet, Context, Plan, ScenarioResult
+from gateway.bench.context import BaselineFleet, Context, Peer, Plan, ScenarioResult
 from gateway.bench.fleet import FixedBaseline
 from gateway.bench.floor import (
     FLOOR_DISABLED,
@@ -41,6 +41,7 @@ from gateway.bench.floor import (
 )
 from gateway.bench.hostile import spawn_env as hostile_spawn_env
 from gateway.bench.html_report import write_html
+from gateway.bench.memory import read_memory
 from gateway.bench.names import ONLY_WHEN_NAMED, QUICK_SCENARIOS
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
@@ -59,7 +60,7 @@ PIPED_WIDTH = 1000  # a table written to a pipe or a file is never cut to 80 col
 def run(args: argparse.Namespace) -> int:
     progress_console = Console(stderr=True)
     console = progress_console if args.json else _stdout_console()
-    names = args.scenario or _default_scenarios(args)
+    names = _scenario_names(args)
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
         trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
@@ -108,6 +109,13 @@ def _stdout_console() -> Console:
     return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
 
+def _scenario_names(args: argparse.Namespace) -> list[str]:
+    """--scenario's, else the default run's; with --peer-url the peer scenario too (alone by default)."""
+    if args.peer_url:
+        return [n for n in args.scenario or () if n != "peer"] + ["peer"]
+    return list(args.scenario or _default_scenarios(args))
+
+
 def _default_scenarios(args: argparse.Namespace) -> list[str]:
     if args.quick:
         return list(QUICK_SCENARIOS)
@@ -133,8 +141,10 @@ def _plan(args: argparse.Namespace) -> Plan:
     if args.tool_counts:
         changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
     if args.clients:
-        changes["clients"] = tuple(sorted(set(_int_list("--clients", args.clients))))
+        changes["clients"] = changes["peer_clients"] = tuple(sorted(set(_int_list("--clients", args.clients))))
     plan = dataclasses.replace(plan, **changes)
+    if args.peer_url is None and args.scenario and "peer" in args.scenario:
+        raise ValueError("the peer scenario needs --peer-url: the other server to measure beside this one")
     if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
            plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools, plan.conversations,
            plan.agent_max_tokens, plan.history_tokens, plan.history_window, plan.history_turns,
@@ -184,13 +194,22 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
         baseline = _baseline(args, server, client)
-        results = await _run_scenarios(names, client, workload, plan, loaded, server, baseline, console)
+        peer = await _peer(args, client, model) if "peer" in names else None
+        try:
+            results = await _run_scenarios(names, client, workload, plan, loaded, server, (baseline, peer), console)
+        finally:
+            if peer is not None:
+                await peer.client.aclose()
+        memory = await read_memory(client)
         floor = await _floors(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
         if server is not None:
             await server.stop()
     meta = _meta(args, plan, client.base_url, served, workload, spawn_env)
+    meta["memory"] = memory
+    if peer is not None:
+        meta["options"].update(peer_url=peer.client.base_url, peer_model=peer.model)
     meta["settings"] = {**await settings, "model": served,
                         "server_version": version.get("version") if isinstance(version, dict) else None}
     return results, floor, meta
@@ -212,6 +231,13 @@ def _hostile_keys(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
     return env
 
 
+async def _peer(args: argparse.Namespace, client: BenchClient, model: str | None) -> Peer:
+    """The peer's client, and the model id to ask it for: --peer-model, else the first it lists, else
+    the main server's."""
+    peer = BenchClient(args.peer_url, args.peer_api_key, client.timeout_s, client.clock_zero)
+    return Peer(peer, args.peer_model or await peer.served_model() or model)
+
+
 def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: BenchClient) -> BaselineFleet | None:
     """The fleet scenario's round-robin fleet: --baseline-url's, else one spawned in the main one's place."""
     if args.baseline_url:
@@ -223,7 +249,7 @@ def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: Be
 
 async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
                          loaded: tuple[Trajectories | None, ConstrainedRows | None], server: SpawnedServer | None,
-                         baseline: BaselineFleet | None, console: Console) -> list[ScenarioResult]:
+                         others: tuple[BaselineFleet | None, Peer | None], console: Console) -> list[ScenarioResult]:
     total = sum(SCENARIOS[n].planned(plan) for n in names)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -234,7 +260,7 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
             progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
         ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n), *loaded,
-                      baseline=baseline)
+                      baseline=others[0], peer=others[1])
         results, done = [], 0
         for name in names:
             progress.update(task, description=f"{name:<15}")

@@ -1,5 +1,5 @@
 """What a scenario is given and gives back: the `Plan` (how many of everything), the `Context`
-(client, workload, the loaded trajectories, rows and baseline fleet, callbacks) and the
+(client, workload, the loaded trajectories, rows, baseline fleet and peer, callbacks) and the
 `ScenarioResult`. The scenario modules (scenarios, conversations, constrained, fleet) import this
 one; it imports none of them.
 """
@@ -52,13 +52,19 @@ class Plan:
     fleet_rounds: int = 5
     fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
     fleet_requests_per_client: int = 3  # measured, after a warming round
+    peer_groups: int = 2  # peer: groups sent cold to both servers, then repeated
+    peer_hits: int = 4  # repeats per group, with new questions
+    peer_decode_requests: int = 3  # one stream at a time, for decode ms/token
+    peer_decode_tokens: int = 64
+    peer_clients: tuple[int, ...] = (1, 4, 16, 32)  # streaming clients at once, for aggregate tokens/s
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=0,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
                    concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
-                   history_tokens=100_000, fleet_requests_per_client=2)
+                   history_tokens=100_000, fleet_requests_per_client=2, peer_groups=1, peer_hits=2,
+                   peer_decode_requests=1, peer_decode_tokens=16, peer_clients=(1, 4))
 
 
 class Restartable(Protocol):
@@ -77,6 +83,15 @@ class BaselineFleet(Protocol):
     async def stop(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The server measured side by side with the main one (`--peer-url`), and the model id to ask
+    it for (None: the main server's)."""
+
+    client: BenchClient
+    model: str | None
+
+
 @dataclass(slots=True)
 class Context:
     client: BenchClient
@@ -88,6 +103,7 @@ class Context:
     trajectories: Trajectories | None = None  # the agent scenario's conversations
     rows: ConstrainedRows | None = None  # the constrained scenario's rows
     baseline: BaselineFleet | None = None  # the fleet scenario's round-robin fleet
+    peer: Peer | None = None  # the peer scenario's other server
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
                    max_tokens: int | None = None, talk: bool = False, on_sent: Callable[[], None] | None = None,

@@ -1,7 +1,8 @@
 """report.html: one page beside bench.json and the plots, to open in a browser or send to someone:
-the settings the run used, the summary table and findings (the console's), the checks when
-`--check` ran, and the plots embedded (data URIs, so the page stands alone). Plain HTML from the
-standard library's string.Template; nothing loads from anywhere."""
+the settings the run used (memory too), the summary table, the side-by-side table when the peer
+scenario ran, the findings (the console's), the checks when `--check` ran, and the plots embedded
+(data URIs, so the page stands alone). Plain HTML from the standard library's string.Template;
+nothing loads from anywhere."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from gateway.bench.memory import memory_text
+from gateway.bench.peer_report import PEER_CAPTION, PEER_COLUMNS, peer_rows
 from gateway.bench.report import SUMMARY_CAPTION, SUMMARY_COLUMNS, summary_lines, summary_rows
 
 PAGE = Template("""<!doctype html>
@@ -37,6 +40,7 @@ code { font-size: .9em; }
 $settings
 <h2>Summary</h2>
 $summary
+$peer
 $lines
 $checks
 <h2>Plots</h2>
@@ -54,7 +58,7 @@ def write_html(report: dict[str, Any], plots: list[Path], path: Path) -> Path:
 def render(report: dict[str, Any], plots: list[Path]) -> str:
     return PAGE.substitute(
         title=escape(f"toolkv bench: {report.get('model') or 'unknown model'}"),
-        settings=_settings(report), summary=_summary(report), lines=_lines(summary_lines(report)),
+        settings=_settings(report), summary=_summary(report), peer=_peer(report), lines=_lines(summary_lines(report)),
         checks=_checks(report.get("checks")), plots="\n".join(_figure(p) for p in plots if p.suffix == ".png"))
 
 
@@ -72,6 +76,7 @@ def settings_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("model", known(settings.get("model") or report.get("model"))),
         ("device", known(settings.get("device"))), ("dtype", known(settings.get("dtype"))),
         ("attention backend", known(settings.get("backend"))),
+        ("memory (weights, KV pool, CUDA graphs)", known(memory_text(report.get("memory")))),
         ("toolkv version (bench)", known(settings.get("toolkv_version"))),
         ("server version", known(settings.get("server_version"))),
         ("server", f"{known(report.get('base_url'))}, {spawned}"),
@@ -98,6 +103,17 @@ def _summary(report: dict[str, Any]) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><caption>{escape(SUMMARY_CAPTION)}</caption><tr>{head}</tr>{body}</table>"
+
+
+def _peer(report: dict[str, Any]) -> str:
+    """The side-by-side table, when the peer scenario ran."""
+    peer = report.get("scenarios", {}).get("peer")
+    if not peer or peer.get("skipped"):
+        return ""
+    head = "".join(f"<th>{escape(c)}</th>" for c in PEER_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in peer_rows(peer))
+    title = f"Side by side: toolkv and the peer at {peer['peer_url']} ({peer.get('peer_model') or 'its model'})"
+    return f"<h2>{escape(title)}</h2><table><caption>{escape(PEER_CAPTION)}</caption><tr>{head}</tr>{body}</table>"
 
 
 def _lines(lines: list[str]) -> str:

@@ -2,8 +2,8 @@
 importing the scenarios (the bench extra), and the registry (scenarios) is checked against them."""
 
 SCENARIO_NAMES = ("single", "toolcount", "interleaved", "restart", "concurrent", "compile-overlap", "soak", "agent",
-                  "history", "constrained", "fleet", "hostile-soak")
-ONLY_WHEN_NAMED = ("history", "constrained", "fleet", "hostile-soak")
+                  "history", "constrained", "fleet", "hostile-soak", "peer")
+ONLY_WHEN_NAMED = ("history", "constrained", "fleet", "hostile-soak", "peer")  # peer: also with --peer-url
 # `--quick` without --scenario: what a new user needs first (a miss, hits on the same tools, groups
 # taking turns), about a minute on a 2-core CPU with the default model, the server's start included.
 QUICK_SCENARIOS = ("single", "interleaved")

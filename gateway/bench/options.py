@@ -31,9 +31,17 @@ def register(sub: Any) -> None:
                         "for the baseline; with --spawn the bench starts one itself")
     p.add_argument("--model", help="the model id to request (default: the first of GET /v1/models); "
                                     "with --spawn, also what the server loads")
+    p.add_argument("--peer-url",
+                   help="another OpenAI-compatible server (e.g. llama.cpp's llama-server) to measure side by side: "
+                        "the peer scenario sends every request to both, in turns (runs alone unless --scenario "
+                        "names others)")
+    p.add_argument("--peer-model", help="the model id to request from the peer (default: the first of its "
+                                         "GET /v1/models, else --model's)")
+    p.add_argument("--peer-api-key", help="sent to the peer as a bearer token")
     p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
-                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, constrained and fleet, "
-                        "which run only when named; restart only with --spawn; with --quick: "
+                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, constrained, fleet, "
+                        "hostile-soak and peer, which run only when named; with --peer-url, peer alone; restart only "
+                        "with --spawn; with --quick: "
                         f"{' and '.join(QUICK_SCENARIOS)})")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
@@ -42,7 +50,8 @@ def register(sub: Any) -> None:
     p.add_argument("--tool-counts", help="comma list for the toolcount scenario (default 5,10,20,50)")
     p.add_argument("--groups", type=int, help="tool groups in the interleaved scenario (default 3)")
     p.add_argument("--clients", help="comma list of streaming client counts for the concurrent scenario, "
-                                     "each run on one group and on mixed groups (default 1,4,8; 1,4 with --quick)")
+                                     "each run on one group and on mixed groups (default 1,4,8; 1,4 with --quick), "
+                                     "and for the peer scenario (default 1,4,16,32; 1,4 with --quick)")
     p.add_argument("--requests-per-client", type=int,
                    help="requests each concurrent client sends one after another (default 2; 1 with --quick)")
     p.add_argument("--mixed-groups", type=int,

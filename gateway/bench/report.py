@@ -32,7 +32,9 @@ from gateway.bench.floor import FloorResult
 from gateway.bench.floor_report import FLOOR_SHARES_CPU, floor_dict, floor_lines, hit_overhead
 from gateway.bench.history_report import history_lines, history_stats, history_target
 from gateway.bench.hostile import hostile_lines, hostile_targets
-from gateway.bench.stats import ms_spread, num, percentile, ratio, rounded, to_ms
+from gateway.bench.memory import memory_lines
+from gateway.bench.peer_report import peer_lines, peer_stats, peer_table
+from gateway.bench.stats import decode_s_per_token, ms_spread, num, output_tokens, percentile, ratio, rounded, to_ms
 
 CLASSES = ("miss", "hit", "bypass")
 REPORT_VERSION = 1
@@ -69,7 +71,10 @@ def block(samples: list[Sample], floors: dict[int, FloorResult]) -> dict[str, An
     the model's own suffix prefill as the server timed it for each hit (else the in-process probe's)."""
     stats = class_stats(samples)
     miss, hit, bypass = (stats[c]["ttft_ms"]["p50"] for c in CLASSES)
-    out: dict[str, Any] = {"classes": stats, "speedup": ratio(miss, hit), "speedup_vs_bypass": ratio(bypass, hit)}
+    per_token = [t for s in samples if s.cache != "error" and (t := decode_s_per_token(s)) is not None]
+    out: dict[str, Any] = {"classes": stats, "speedup": ratio(miss, hit), "speedup_vs_bypass": ratio(bypass, hit),
+                           "decode_ms_per_token": {"n": len(per_token), **ms_spread(per_token)},
+                           "output_tokens_p50": rounded(percentile([output_tokens(s) for s in samples], 50), 0)}
     timed = [s for s in samples if s.cache == "hit" and s.overhead_ms is not None]
     if timed:  # the server split each hit's time: overhead paired per request
         overheads = [s.overhead_ms for s in timed if s.overhead_ms is not None]
@@ -117,6 +122,8 @@ def scenario_dict(result: ScenarioResult, floors: dict[int, FloorResult]) -> dic
         out.update(constrained_stats(result.samples, result.details))
     elif result.name == "hostile-soak":  # its numbers are in details (hostile.py)
         pass
+    elif result.name == "peer":  # per server, side by side
+        out.update(peer_stats(result.samples, result.details))
     elif result.name == "fleet":  # about routing: per part, replica and group
         out.update(fleet_stats(result.samples, result.details))
     elif result.name == "soak":  # about memory: the samples' timings are in `samples`
@@ -170,7 +177,8 @@ def build_report(meta: dict[str, Any], results: list[ScenarioResult], floors: di
 
 
 # Reported on lines of their own, not in the main table.
-OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained", "fleet", "hostile-soak")
+OWN_LINE_SCENARIOS = (*CONCURRENCY_SCENARIOS, "soak", "agent", "history", "constrained", "fleet", "hostile-soak",
+                      "peer")
 SUMMARY_COLUMNS = ("scenario", "tools", "n", "miss", "hit", "bypass", "speedup", "floor", "overhead")
 SUMMARY_CAPTION = ("p50 TTFT in ms (p95 in the JSON); n = misses/hits/bypasses; floor = the model's own suffix "
                    "prefill on a hit; overhead = hit TTFT - floor, per request")
@@ -212,6 +220,9 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     fleet = report["scenarios"].get("fleet")
     if fleet and not fleet.get("skipped"):
         console.print(fleet_table(fleet))
+    peer = report["scenarios"].get("peer")
+    if peer and not peer.get("skipped"):
+        console.print(peer_table(peer, peer["peer_url"]))
     for line in summary_lines(report):
         console.print(line, highlight=False)
 
@@ -241,6 +252,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         i = s["interleaved"]
         sequence = " ".join(i["sequence"])
         lines.append(f"interleaved {i['order']}: {sequence} -> every repeat hit: {i['every_repeat_hit']}")
+    if "single" in s and not s["single"].get("skipped") and s["single"]["decode_ms_per_token"]["n"]:
+        d, tokens = s["single"]["decode_ms_per_token"], s["single"]["output_tokens_p50"]
+        lines.append(f"single: decode, one stream at a time: {num(d['p50'], 1)} ms/token p50 ({num(d['p95'], 1)} p95) "
+                     f"over {d['n']} answers of {num(tokens)} tokens")
     if "restart" in s and not s["restart"].get("skipped"):
         r = s["restart"]
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "
@@ -262,8 +277,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines += fleet_lines(s["fleet"])
     if "hostile-soak" in s and not s["hostile-soak"].get("skipped"):
         lines += hostile_lines(s["hostile-soak"])
+    if "peer" in s and not s["peer"].get("skipped"):
+        lines += peer_lines(s["peer"])
     for name, scenario in s.items():
         lines += [f"{name}: skipped, {scenario['skipped']}"] if scenario.get("skipped") else []
         lines += [f"{name}: {note}" for note in scenario.get("notes", [])]
     lines += floor_lines(report["floor"])
-    return lines
+    return lines + memory_lines(report.get("memory"))

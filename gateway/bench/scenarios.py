@@ -1,4 +1,4 @@
-"""The eleven scenarios' registry, and the first seven. Each sends requests through a `Context` and
+"""The scenarios' registry, and the first seven. Each sends requests through a `Context` and
 returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come from the server's
 `cached_tokens`, never from the plan.
 
@@ -17,6 +17,8 @@ returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come 
                    per token against decode's (constrained.py)
 11 fleet           replicas behind one ingress: interleaved groups, one hot group against balanced ones, and a
                    round-robin baseline (fleet.py)
+12 hostile-soak    one key's requests alone, then while another key sends a hostile mix (hostile.py)
+13 peer            toolkv and another server side by side, the same requests in turns (peer.py)
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from gateway.bench.history import expected_requests
 from gateway.bench.hostile import planned as hostile_planned
 from gateway.bench.hostile import run_hostile_soak
 from gateway.bench.names import SCENARIO_NAMES
+from gateway.bench.peer import planned as peer_planned
+from gateway.bench.peer import run_peer
 from gateway.bench.workload import ToolGroup, WorkloadError
 
 
@@ -257,5 +261,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
     Scenario("fleet", run_fleet, fleet_planned),
     Scenario("hostile-soak", run_hostile_soak, hostile_planned),
+    Scenario("peer", run_peer, peer_planned),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

@@ -32,6 +32,19 @@ def ttft_stats(samples: list[Sample]) -> dict[str, float | None]:
     return ms_spread([s.ttft_s for s in samples if s.ttft_s is not None])
 
 
+def output_tokens(sample: Sample) -> int:
+    """The answer's tokens: usage's completion tokens, else the chunks that carried one."""
+    return sample.completion_tokens if sample.completion_tokens is not None else sample.token_chunks
+
+
+def decode_s_per_token(sample: Sample) -> float | None:
+    """Seconds per output token after the first (None for fewer than two)."""
+    tokens = output_tokens(sample)
+    if sample.ttft_s is None or tokens < 2:
+        return None
+    return (sample.total_s - sample.ttft_s) / (tokens - 1)
+
+
 def rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
