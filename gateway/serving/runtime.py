@@ -21,6 +21,7 @@ from gateway.kvcache.keys import CacheIdentity
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
+from gateway.serving.cache_admin import read_configured_groups, warm_configured
 from gateway.serving.service import ChatService
 from gateway.settings import Settings
 
@@ -73,6 +74,9 @@ def loaded_runtime(state: Any) -> Runtime:
 
 
 def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> Runtime:
+    """The model loaded and its engine running, with the groups `pinned_groups` and `warm_groups`
+    name warmed (their files are read first: a wrong path fails before the model loads)."""
+    configured = read_configured_groups(settings)
     if loaded is None:
         log.info("loading model %s (device %s, dtype %s)...", settings.model, settings.device, settings.dtype)
         loaded = load_model(settings)
@@ -101,6 +105,11 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                           grammar_cache_bytes=settings.grammar_cache_bytes,
                           tokenizer_heads_bytes=settings.tokenizer_heads_bytes)
     engine.start()
+    try:
+        warm_configured(service, store, configured, settings)
+    except BaseException:
+        engine.stop()
+        raise
     log.info("model %s ready in %.1fs on %s (%s), adapter %s", loaded.source.served_name, loaded.load_s,
              loaded.device, loaded.dtype, family.name)
     return Runtime(loaded, engine, service, store, metrics)
