@@ -199,10 +199,12 @@ def json_grammar(schema: dict[str, Any], max_string: int = 0) -> str:
 
 
 class Grammars:
-    """Compiles grammars for one tokenizer and keeps the compiled ones (LRU, bounded by their
-    estimated bytes, `grammar_bytes`): a tool group's grammar is built once and copied for each
-    request that uses it. Kept per namespace (the request's tenant): a tenant only ever reuses a
-    grammar it compiled itself, so how long its request takes never tells it what another sent."""
+    """Compiles grammars for one tokenizer and keeps the compiled ones (bounded by their estimated
+    bytes, `grammar_bytes`): a tool group's grammar is built once and copied for each request that
+    uses it. Kept per namespace (the request's tenant): a tenant only ever reuses a grammar it
+    compiled itself, so how long its request takes never tells it what another sent. Past the
+    bound, the namespace keeping the most bytes gives up its least recently used grammar, so a
+    tenant that sends many schemas evicts its own, not another tenant's few."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int],
                  max_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
@@ -212,6 +214,7 @@ class Grammars:
         self.max_bytes = max_bytes
         self._compiled: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # (namespace, grammar)
         self.num_bytes = 0  # the kept grammars' estimated bytes
+        self._namespace_bytes: dict[str, int] = {}
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._closers: tuple[torch.Tensor, ...] | None = None
@@ -271,16 +274,26 @@ class Grammars:
         return self._closers
 
     def _keep(self, key: tuple[str, str], template: Any) -> None:
-        """Keep a compiled grammar, evicting the least recently used past the byte bound (one
-        larger than the whole bound is used once and not kept)."""
+        """Keep a compiled grammar; past the byte bound, evict the least recently used of the
+        namespace keeping the most (one larger than the whole bound is used once, not kept)."""
         size = grammar_bytes(key[1])
         if size > self.max_bytes or key in self._compiled:  # or compiled meanwhile by a twin request
             return
         self._compiled[key] = (template, size)
-        self.num_bytes += size
+        self._count(key[0], size)
         while self.num_bytes > self.max_bytes:
-            _, (_, dropped) = self._compiled.popitem(last=False)
-            self.num_bytes -= dropped
+            largest = max(self._namespace_bytes, key=self._namespace_bytes.__getitem__)
+            oldest = next(k for k in self._compiled if k[0] == largest)
+            _, dropped = self._compiled.pop(oldest)
+            self._count(largest, -dropped)
+
+    def _count(self, namespace: str, size: int) -> None:
+        self.num_bytes += size
+        left = self._namespace_bytes.get(namespace, 0) + size
+        if left:
+            self._namespace_bytes[namespace] = left
+        else:
+            del self._namespace_bytes[namespace]
 
     def _compile(self, grammar: str, param: str, tokenizer: Any) -> Any:
         import llguidance

@@ -157,6 +157,22 @@ def test_the_grammar_cache_is_bounded_by_bytes_not_by_count(keyed):
     assert gauge(keyed, "toolkv_memory_budget_bytes", structure="grammar_cache") == GRAMMAR_BUDGET
 
 
+def test_one_keys_many_schemas_evict_its_own_grammars_not_another_keys(keyed):
+    """Key A sends schema after schema; key B's one grammar stays compiled (its next request does
+    not pay for A's flood): past the budget, the key keeping the most gives up its oldest."""
+    grammars = keyed.app.state.runtime.service.grammars
+    structured(keyed, KEY_B, answer_schema(100, 25_000))
+    [mine] = [g for g in grammars.cached(SALT_B) if "field_100" in g]
+    compiles = grammars.compiles
+    for n in range(101, 106):
+        structured(keyed, KEY_A, answer_schema(n, 25_000))
+    assert grammars.compiles == compiles + 5
+    assert mine in grammars.cached(SALT_B)
+    assert grammars.num_bytes <= GRAMMAR_BUDGET
+    structured(keyed, KEY_B, answer_schema(100, 25_000))
+    assert grammars.compiles == compiles + 5  # reused, not compiled again
+
+
 # ---- the tokenizer's heads -------------------------------------------------------------------
 
 
