@@ -367,7 +367,8 @@ def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dic
     """One group per size that had hits on a group starting at tool 0: label -> tools."""
     by_size: dict[int, str] = {}
     for result in results:
-        if result.name in ("agent", "history", "constrained", "fleet"):  # not the catalog's groups and questions
+        # Not the catalog's groups and questions; or (peer) half of them answered by another server.
+        if result.name in ("agent", "history", "constrained", "fleet", "peer"):
             continue
         for s in result.samples:
             if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:
