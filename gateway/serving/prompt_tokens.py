@@ -24,6 +24,8 @@ keeps at most `max_heads_per_namespace` heads, all tenants together `max_heads`,
 as 32-bit arrays; and in bytes (the group text a head is keyed by, and its arrays: `head_bytes`)
 all together at most `max_bytes` (setting `tokenizer_heads_bytes`), each tenant the same share of
 it as of the count (a quarter by default). A head larger than a tenant's share is not kept.
+Past the bounds in all, the tenant keeping the most heads (or bytes) forgets its oldest, so one
+tenant's many groups never push out another tenant's few.
 """
 
 from __future__ import annotations
@@ -146,7 +148,17 @@ class PromptTokenizer:
                 if key in self._heads:
                     self._forget(key)
             while len(self._heads) > self.max_heads or self.num_bytes > self.max_bytes:
-                self._forget(next(iter(self._heads)))
+                self._forget(self._oldest_of_largest(by_bytes=self.num_bytes > self.max_bytes))
+
+    def _oldest_of_largest(self, by_bytes: bool) -> tuple[str, str]:
+        """The oldest head of the tenant keeping the most heads (or bytes): a tenant that learns
+        many heads evicts its own before another tenant's few."""
+        counts: dict[str, int] = {}
+        for namespace, _ in self._heads:
+            counts[namespace] = counts.get(namespace, 0) + 1
+        sizes = self._namespace_bytes if by_bytes else counts
+        largest = max(sizes, key=sizes.__getitem__)
+        return next(key for key in self._heads if key[0] == largest)
 
     def _forget(self, slot: tuple[str, str]) -> None:
         del self._heads[slot]

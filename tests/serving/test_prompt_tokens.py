@@ -152,6 +152,21 @@ def test_heads_are_per_tenant_and_one_tenant_cannot_evict_the_others(merchant_to
     assert tokens.remembered("tenant-a") == [head]
 
 
+def test_many_tenants_at_their_share_evict_the_largest_not_a_small_tenants_head(merchant_tools):
+    """Five tenants fill their shares of all the heads: the one who keeps the most gives up its
+    oldest, never a tenant with one head."""
+    tokenizer = sentencepiece_like("bytelevel", [json.dumps(t) for t in merchant_tools])
+    tokens = PromptTokenizer(tokenizer, max_heads=8, max_heads_per_namespace=3)
+    small = "<|im_start|>system\nsmall tenant<|im_end|>\n"
+    tokens.encode(small + "<|im_start|>user\nq<|im_end|>\n", len(small), namespace="small")
+    for tenant in ("a", "b", "c"):
+        for i in range(3):
+            head = f"<|im_start|>system\n{tenant} group {i}<|im_end|>\n"
+            tokens.encode(head + "<|im_start|>user\nq<|im_end|>\n", len(head), namespace=tenant)
+    assert tokens.remembered("small") == [small]
+    assert sum(len(tokens.remembered(t)) for t in ("a", "b", "c")) == 7
+
+
 def test_a_head_is_kept_only_when_its_request_is_accepted(merchant_tools):
     tokenizer = sentencepiece_like("bytelevel", [json.dumps(t) for t in merchant_tools])
     tokens = PromptTokenizer(tokenizer)
