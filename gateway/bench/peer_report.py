@@ -52,9 +52,7 @@ def _server(samples: list[Sample], cases: list[dict[str, Any]], memory: dict[str
     hits, decode = phase("hit"), phase("decode")
     reported = [s.cached_tokens for s in hits if s.cached_tokens is not None]
     per_token = [t for s in decode if (t := decode_s_per_token(s)) is not None]
-    clients = [{"clients": c["clients"], "wall_s": c["wall_s"],
-                **case_stats([s for s in samples if s.tags.get("case") == f"{c['server']}@{c['clients']}"
-                              and s.tags.get("phase") == "clients"], c["wall_s"])} for c in cases]
+    clients = [_case(samples, c) for c in cases]
     prompts = [s.prompt_tokens for s in [*phase("miss"), *hits] if s.prompt_tokens is not None]
     return {"miss_ttft_ms": {"n": len(phase("miss")), **ttft_stats(phase("miss"))},
             "hit_ttft_ms": {"n": len(hits), **ttft_stats(hits)},
@@ -62,7 +60,18 @@ def _server(samples: list[Sample], cases: list[dict[str, Any]], memory: dict[str
             "decode_ms_per_token": {"n": len(per_token), **ms_spread(per_token)},
             "decode_tokens_p50": rounded(percentile([output_tokens(s) for s in decode], 50), 0),
             "prompt_tokens_p50": rounded(percentile(prompts, 50), 0),
-            "clients": clients, "errors": sum(1 for s in samples if s.cache == "error"), "memory": memory}
+            "clients": clients, "errors": sum(1 for s in samples if s.cache == "error"),
+            "error_messages": sorted({s.error for s in samples if s.error})[:3], "memory": memory}
+
+
+def _case(samples: list[Sample], case: dict[str, Any]) -> dict[str, Any]:
+    """One client count on one server; no tokens/s when every request failed."""
+    measured = [s for s in samples if s.tags.get("case") == f"{case['server']}@{case['clients']}"
+                and s.tags.get("phase") == "clients"]
+    stats = {"clients": case["clients"], "wall_s": case["wall_s"], **case_stats(measured, case["wall_s"])}
+    if stats["errors"] == stats["n"]:
+        stats["tokens_per_s"] = None
+    return stats
 
 
 def _prompt_pairs(samples: list[Sample]) -> dict[str, Any]:
@@ -109,13 +118,16 @@ def peer_lines(p: dict[str, Any]) -> list[str]:
     cached = peer["hits_cached"]
     lines.append("peer: reports no cached_tokens" if cached is None else
                  f"peer: cached tokens on {cached} of {peer['hit_ttft_ms']['n']} repeats")
-    lines += [f"peer: {p['servers'][s]['errors']} failed requests on {s}" for s in SERVERS if p["servers"][s]["errors"]]
+    for name in SERVERS:
+        server = p["servers"][name]
+        if server["errors"]:
+            lines.append(f"peer: {server['errors']} failed requests on {name}: {'; '.join(server['error_messages'])}")
     return lines
 
 
 def _prompt_line(prompts: dict[str, Any]) -> str:
     if not prompts["pairs"]:
-        return "peer: no prompt token counts to compare (a server sent no usage)"
+        return "peer: no prompt token counts to compare (a server sent no usage, or no answer)"
     line = f"peer: the same prompt token count on {prompts['same']} of {prompts['pairs']} bodies sent to both"
     if prompts["same"] == prompts["pairs"]:
         return line
