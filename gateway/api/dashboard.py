@@ -1,12 +1,13 @@
 """The live dashboard: the page at `/` and its assets, served from `gateway/api/static/` (no CDN), and
 `GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
 registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
-store's public listing; the serving layer knows nothing about the dashboard. The numbers are
+store's public listing and pins; the serving layer knows nothing about the dashboard. The numbers are
 computed from collected metric families, so the Ray Serve ingress computes the fleet's from its
 replicas' merged series with the same functions (`gateway/serve_ray/fleet_dashboard.py`)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from gateway.errors import NotFound
 from gateway.metrics import EngineView, Metrics
 
 if TYPE_CHECKING:
+    from gateway.kvcache.store import EntryInfo
     from gateway.serving.runtime import Runtime
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -73,7 +75,7 @@ async def stats(request: Request) -> JSONResponse:
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
         "totals": totals(families), "engine": engine(families, metrics.engine) if runtime is not None else None,
         "ttft_windows": points, "ttft_ceiling_ms": ttft_ceiling_ms(points), "window_s": windows.window_s,
-        "groups": ram_groups(runtime)})
+        "groups": ram_groups(runtime), "pins": await pins(app, runtime)})
 
 
 def _asset(name: str) -> FileResponse:
@@ -174,8 +176,36 @@ def ram_groups(runtime: Runtime | None) -> list[dict[str, Any]]:
     if runtime is None:
         return []
     return [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
-             "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram"}
-            for e in runtime.store.ram_entries()[:MAX_GROUP_ROWS]]
+             "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram",
+             "pinned": e.pinned} for e in runtime.store.ram_entries()[:MAX_GROUP_ROWS]]
+
+
+async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
+    """The pinned groups (`tier`: ram, or disk when not in RAM now), the bytes pinned and the
+    budget, as `GET /v1/cache` counts them. A pinned group not in RAM is looked up on disk once,
+    then remembered (an entry's group never changes): a poll does not read the disk each time."""
+    if runtime is None:
+        return None
+    store = runtime.store
+    pinned = store.pins.pinned()
+    in_ram = {e.digest: e for e in store.ram_entries() if e.digest in pinned}
+    seen: dict[str, EntryInfo | None] = getattr(app.state, "dashboard_pinned", {})
+    seen = {digest: info for digest, info in seen.items() if digest in pinned}
+    if unknown := pinned.keys() - in_ram.keys() - seen.keys():
+        listed = {i.digest: i for i in await asyncio.to_thread(store.entries) if i.digest in unknown}
+        seen.update({digest: listed.get(digest) for digest in unknown})
+    app.state.dashboard_pinned = seen
+    rows = [_pinned_row(digest, num_bytes, in_ram.get(digest) or seen.get(digest), digest in in_ram)
+            for digest, num_bytes in pinned.items()]
+    return {"pinned_bytes": sum(pinned.values()), "pinned_budget_bytes": app.state.settings.pinned_budget_bytes,
+            "groups": sorted(rows, key=lambda row: row["num_bytes"], reverse=True)[:MAX_GROUP_ROWS]}
+
+
+def _pinned_row(digest: str, num_bytes: int, info: EntryInfo | None, in_ram: bool) -> dict[str, Any]:
+    """A pinned group; one whose entry is gone from every tier (removed meanwhile) has only its id."""
+    return {"id": digest, "group_id": info.group_id if info else None,
+            "tool_names": list(info.tool_names) if info else [], "num_tokens": info.num_tokens if info else None,
+            "num_bytes": num_bytes, "tier": "ram" if in_ram else ("disk" if info else None)}
 
 
 # ---- TTFT over time ----------------------------------------------------------------------------

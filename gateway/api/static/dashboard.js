@@ -1,6 +1,7 @@
-// The toolkv dashboard: polls /v1/dashboard/stats and renders the totals, the TTFT chart and the
-// tool-group table (on a Ray Serve ingress, also one row per replica, and the totals are the
-// fleet's); the playground streams /v1/chat/completions with and without the cache.
+// The toolkv dashboard: polls /v1/dashboard/stats and renders the totals, the TTFT chart, the
+// tool-group table and the pinned groups with their budget (on a Ray Serve ingress, also one row
+// per replica, and the totals are the fleet's); the playground streams /v1/chat/completions with
+// and without the cache.
 // No dependencies, no build step: served as is from the gateway package.
 (() => {
   "use strict";
@@ -109,6 +110,7 @@
     renderLatestTtft(stats.ttft_windows);
     renderChart(stats.ttft_windows, stats.window_s, stats.ttft_ceiling_ms);
     renderGroups(stats.groups);
+    renderPins(stats.pins);
   }
 
   function renderTotals(t) {
@@ -140,6 +142,7 @@
     const fleet = Array.isArray(replicas);
     $("replicas").hidden = !fleet;
     $("groups-replica").hidden = !fleet;
+    $("pinned-replica").hidden = !fleet;
     $("title-engine").textContent = fleet ? "Engines (all replicas)" : "Engine";
     if (!fleet) return;
     const up = replicas.filter((r) => r.status === "ok").length;
@@ -317,15 +320,21 @@
     $("groups-empty").hidden = groups.length > 0;
   }
 
+  // The first eight names, and how many more.
+  const toolList = (names) => names.slice(0, 8).join(", ") + (names.length > 8 ? ` +${names.length - 8} more` : "");
+
   function groupRow(g) {
-    const row = document.createElement("tr");
-    const shown = g.tool_names.slice(0, 8).join(", ");
-    const more = g.tool_names.length > 8 ? ` +${g.tool_names.length - 8} more` : "";
     const cells = [
-      [g.group_id.slice(0, 12), "mono", g.group_id], [shown + more, "tools", g.tool_names.join(", ")],
+      [g.group_id.slice(0, 12), "mono", g.group_id], [toolList(g.tool_names), "tools", g.tool_names.join(", ")],
       [fmt.int(g.num_tokens), "num"], [fmt.bytes(g.num_bytes), "num"], [fmt.int(g.hits), "num"],
-      [g.tier, ""], ...(g.replica === undefined ? [] : [[g.replica, "mono"]]), [fmt.ago(g.last_used_at), ""],
+      [g.pinned ? `${g.tier}, pinned` : g.tier, g.pinned ? "pinned" : ""],
+      ...(g.replica === undefined ? [] : [[g.replica, "mono"]]), [fmt.ago(g.last_used_at), ""],
     ];
+    return tableRow(cells);
+  }
+
+  function tableRow(cells) {
+    const row = document.createElement("tr");
     for (const [text, cls, title] of cells) {
       const cell = document.createElement("td");
       cell.textContent = text;
@@ -334,6 +343,28 @@
       row.append(cell);
     }
     return row;
+  }
+
+  // ---- pinned groups ---------------------------------------------------------------------------
+
+  // `pins` is null before the model has loaded: the dashes stay.
+  function renderPins(pins) {
+    if (!pins) return;
+    $("pinned-bytes").textContent = fmt.bytes(pins.pinned_bytes);
+    $("pinned-detail").textContent =
+      `of ${fmt.bytes(pins.pinned_budget_bytes)} budget, ${plural(pins.groups.length, "group")}`;
+    $("pinned-groups").tBodies[0].replaceChildren(...pins.groups.map(pinnedRow));
+    $("pinned-empty").hidden = pins.groups.length > 0;
+  }
+
+  // A group removed since it was pinned has only its entry id.
+  function pinnedRow(p) {
+    return tableRow([
+      [(p.group_id || p.id).slice(0, 12), "mono", p.group_id || p.id],
+      [toolList(p.tool_names) || "—", "tools", p.tool_names.join(", ")], [fmt.int(p.num_tokens), "num"],
+      [fmt.bytes(p.num_bytes), "num"], [p.tier || "gone", ""],
+      ...(p.replica === undefined ? [] : [[p.replica, "mono"]]),
+    ]);
   }
 
   // ---- playground: requests --------------------------------------------------------------------
