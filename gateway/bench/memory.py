@@ -21,14 +21,17 @@ async def read_memory(client: BenchClient) -> dict[str, int | None]:
 
 
 def memory_text(memory: dict[str, Any] | None) -> str | None:
-    """'weights 14.70 GB, KV pool 40.00 GB, CUDA graphs 0.35 GB'; None when the server said nothing."""
+    """'weights 14.70 GB, KV pool 40.00 GB, CUDA graphs 350.0 MB'; None when the server said nothing."""
     if not memory or all(memory.get(f"{part}_bytes") is None for part in PARTS):
         return None
-    return ", ".join(f"{label} {gigabytes(memory.get(f'{part}_bytes'))}" for part, label in PARTS.items())
+    return ", ".join(f"{label} {bytes_text(memory.get(f'{part}_bytes'))}" for part, label in PARTS.items())
 
 
-def gigabytes(num_bytes: int | None) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / 1e9:,.2f} GB"
+def bytes_text(num_bytes: int | None) -> str:
+    """'14.70 GB' from 1 GB up, '540.0 MB' below; '-' when not known."""
+    if num_bytes is None:
+        return "-"
+    return f"{num_bytes / 1e9:,.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:,.1f} MB"
 
 
 def memory_lines(memory: dict[str, Any] | None) -> list[str]:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from gateway.bench.client import Sample
 from gateway.bench.concurrency_report import case_stats
-from gateway.bench.memory import PARTS, gigabytes
+from gateway.bench.memory import PARTS, bytes_text
 from gateway.bench.stats import (
     decode_s_per_token,
     ms_spread,
@@ -98,7 +98,7 @@ def peer_rows(p: dict[str, Any]) -> list[list[str]]:
               times(ratios["tokens_per_s"].get(str(c["clients"])))] for c in toolkv["clients"]]
     rows.append(["prompt tokens", num(toolkv["prompt_tokens_p50"]), num(peer["prompt_tokens_p50"]), ""])
     memory = [toolkv["memory"] or {}, peer["memory"] or {}]
-    rows += [[label, *(gigabytes(m.get(f"{part}_bytes")) for m in memory), ""] for part, label in PARTS.items()
+    rows += [[label, *(bytes_text(m.get(f"{part}_bytes")) for m in memory), ""] for part, label in PARTS.items()
              if any(m.get(f"{part}_bytes") is not None for m in memory)]
     return rows
 

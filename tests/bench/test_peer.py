@@ -124,8 +124,8 @@ def test_memory_comes_from_the_gauge_per_part():
             'toolkv_memory_bytes{part="kv_pool"} 2147483648.0\ntoolkv_memory_bytes{part="cuda_graphs"} 0.0\n')
     memory = memory_from_metrics(parse_metrics(text))
     assert memory == {"weights_bytes": 540_000_000, "kv_pool_bytes": 2**31, "cuda_graphs_bytes": 0}
-    assert memory_lines(memory) == ["memory (the server's engine, on its device): weights 0.54 GB, KV pool 2.15 GB, "
-                                    "CUDA graphs 0.00 GB"]
+    assert memory_lines(memory) == ["memory (the server's engine, on its device): weights 540.0 MB, KV pool 2.15 GB, "
+                                    "CUDA graphs 0.0 MB"]
     assert memory_from_metrics({}) == dict.fromkeys(("weights_bytes", "kv_pool_bytes", "cuda_graphs_bytes"))
 
 
