@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
@@ -221,6 +221,18 @@ class SamplingFields(Lenient):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # Fields not implemented, each with the values that ask for nothing (accepted): a 400 otherwise
+    unsupported: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, is_noop in cls.unsupported.items():
+                value = data.get(name)
+                if value is not None and not is_noop(value):
+                    raise UnsupportedField(name)
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -258,6 +270,8 @@ class SamplingFields(Lenient):
 
 
 class ChatCompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
+
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoice | None = None
@@ -269,16 +283,6 @@ class ChatCompletionRequest(SamplingFields):
     # Legacy function calling, served as `tools` / `tool_choice` (see `_legacy_functions`).
     functions: list[FunctionSpecIn] | None = Field(None, min_length=1, max_length=128)
     function_call: Literal["none", "auto"] | NamedFunction | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, is_noop in UNSUPPORTED_FIELDS.items():
-                value = data.get(name)
-                if value is not None and not is_noop(value):
-                    raise UnsupportedField(name)
-        return data
 
     @field_validator("top_logprobs")
     @classmethod

@@ -5,11 +5,11 @@ not implement are a 400 naming the field unless they hold a value that asks for 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from gateway.protocol.chat import SamplingFields, UnsupportedField
+from gateway.protocol.chat import SamplingFields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint
@@ -23,18 +23,9 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 
 
 class CompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # how many alternatives per token
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, is_noop in UNSUPPORTED_FIELDS.items():
-                value = data.get(name)
-                if value is not None and not is_noop(value):
-                    raise UnsupportedField(name)
-        return data
 
     @field_validator("prompt")
     @classmethod
