@@ -169,7 +169,8 @@ class Engine:
                            conversation_evictions_total=conversations.evictions,
                            constrained_tokens_total=self.constrained_tokens,
                            constraint_seconds_total=self.constraint_s,
-                           decode_steps_total=self.decode_steps, decode_seconds_total=self.decode_s)
+                           decode_steps_total=self.decode_steps, decode_seconds_total=self.decode_s,
+                           memory=self.runner.memory())
 
     def drain_steps(self) -> list[StepRecord]:
         return self._steps.drain()

@@ -111,8 +111,6 @@ def test_table_and_page_show_both_columns(run):
     assert data["options"]["peer_url"].startswith("http://127.0.0.1:")
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.stats() (gateway/engine/core.py) does not pass memory="
-                                       "self.runner.memory() yet; remove this mark once it does")
 def test_report_carries_the_servers_memory(run, live: LiveServer):
     memory = live.app.state.runtime.engine.runner.memory()
     assert run[0]["memory"] == {"weights_bytes": memory.weights_bytes, "kv_pool_bytes": memory.kv_pool_bytes,

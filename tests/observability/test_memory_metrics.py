@@ -55,8 +55,6 @@ def test_the_gauge_has_one_series_per_part_once_the_engine_says() -> None:
     assert _memory_samples(metrics) == {"weights": 540_000_000, "kv_pool": 2**31, "cuda_graphs": 0}
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.stats() (gateway/engine/core.py) does not pass memory="
-                                       "self.runner.memory() yet; remove this mark once it does")
 def test_a_gateway_exports_what_its_engine_holds(server: LiveServer) -> None:
     memory = server.app.state.runtime.engine.runner.memory()
     _, families = scrape(server)
