@@ -127,7 +127,11 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/version")  # as vLLM's; tenant_salt: a trusted proxy's X-Toolkv-Tenant is honoured
     async def version(request: Request) -> JSONResponse:  # (gateway/edge/auth.py), which proxies check
-        return JSONResponse({"version": request.app.version, "tenant_salt": True})
+        body: dict[str, Any] = {"version": request.app.version, "tenant_salt": True}
+        runtime = request.app.state.runtime
+        if runtime is not None:  # once loaded: device, dtype, attention backend (the bench reports them)
+            body["engine"] = runtime.engine_info()
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

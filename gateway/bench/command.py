@@ -212,6 +212,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
         meta["options"].update(peer_url=peer.client.base_url, peer_model=peer.model)
     meta["settings"] = {**await settings, "model": served,
                         "server_version": version.get("version") if isinstance(version, dict) else None}
+    meta["settings"].update(_engine_of(version))
     return results, floor, meta
 
 
@@ -320,6 +321,16 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
         if probe is not None:
             probe.close()
     return {f.num_tools: f for f in measured}, None, shares_cpu
+
+
+def _engine_of(version: Any) -> dict[str, Any]:
+    """Device, dtype and backend as the server says in `/version` (a toolkv that does), over what
+    the bench resolved from its own settings; nothing for another server."""
+    engine = version.get("engine") if isinstance(version, dict) else None
+    if not isinstance(engine, dict):
+        return {}
+    backend = f"{engine.get('backend')}{', batch invariant' if engine.get('batch_invariant') else ''}"
+    return {"device": engine.get("device"), "dtype": engine.get("dtype"), "backend": backend}
 
 
 def _server_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -44,6 +44,13 @@ class Runtime:
     def model_aliases(self) -> frozenset[str]:
         return frozenset({self.loaded.source.served_name, self.loaded.source.location})
 
+    def engine_info(self) -> dict[str, Any]:
+        """What the engine runs on, for `/version` (a bench or an operator reads it from there)."""
+        runner = self.engine.runner
+        return {"device": str(self.loaded.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
+                "backend": runner.backend, "batch_invariant": runner.batch_invariant,
+                "cuda_graphs": runner.graphs is not None}
+
     def refresh_gauges(self) -> None:
         m = self.metrics
         m.cache_entries.labels(tier="ram").set(len(self.store.ram))

@@ -136,6 +136,9 @@ def test_html_report_beside_the_plots_names_the_settings(report):
     page = (out / "report.html").read_text()
     assert page.startswith("<!doctype html>") and "</html>" in page
     assert data["settings"]["toolkv_version"] and data["settings"]["server_version"]
+    # a server the bench did not start says what it runs on in /version
+    settings = data["settings"]
+    assert (settings["device"], settings["dtype"], settings["backend"]) == ("cpu", "float32", "torch, batch invariant")
     for text in ("tiny-llama", "device", "attention backend", "toolkv version", data["finished_at"], "<table"):
         assert text in page, text
     plots = sorted(path.name for path in out.glob("*.png"))
