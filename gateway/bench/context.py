@@ -60,7 +60,7 @@ class Plan:
 
     @classmethod
     def quick(cls, tools: int = 10) -> Plan:
-        return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=1, bypass=0,
+        return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=2, bypass=0,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
                    concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
                    history_tokens=100_000, fleet_requests_per_client=2, peer_groups=1, peer_hits=2,

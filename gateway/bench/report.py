@@ -42,6 +42,7 @@ REPORT_VERSION = 1
 TARGET_SPEEDUP = 15.0
 TARGET_OVERHEAD_MS = 20.0
 TARGET_RESTART_SPEEDUP = 10.0
+TARGET_FIRST_OVER_LATER = 2.0  # a spawned server's first request (a miss) over a later miss of its size
 # From issue 13 (concurrency), one group: 4 clients' output tokens/s over 1 client's, their hit
 # TTFT p50 over 1 client's, and a hit's TTFT p50 while another group compiles over alone.
 TARGET_TOKENS_SCALING_4 = 2.5
@@ -139,6 +140,7 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
     as `hit_overhead` picks it. Printed only with `--check` (checks.py)."""
     single, inter, restart = (scenarios.get(n, {}) for n in ("single", "interleaved", "restart"))
     speedup, overhead = single.get("speedup"), hit_overhead(scenarios, floors)
+    first_ratio: float | None = single.get("first_over_later_miss")
     restart_speedup = restart.get("restart_speedup") if restart.get("first_after_restart") == "hit" else None
     one_group = scenarios.get("concurrent", {}).get("ratios", {}).get("one-group", {})
     scaling, ttft_ratio = one_group.get("tokens_per_s_4_over_1"), one_group.get("hit_ttft_p50_4_over_1")
@@ -148,6 +150,8 @@ def targets(scenarios: dict[str, dict[str, Any]], floors: dict[str, dict[str, An
     return {
         "hit_speedup_at_least_15x": None if speedup is None else speedup >= TARGET_SPEEDUP,
         "hit_overhead_under_20ms": None if overhead is None else overhead < TARGET_OVERHEAD_MS,
+        "first_request_at_most_2x_a_later_miss": (None if first_ratio is None or not single.get("first_after_start")
+                                                  else first_ratio <= TARGET_FIRST_OVER_LATER),
         "interleaved_every_repeat_hits": inter.get("every_repeat_hit"),
         "restart_at_least_10x_faster": (None if restart.get("skipped") or not restart else
                                         restart_speedup is not None and restart_speedup >= TARGET_RESTART_SPEEDUP),
@@ -256,6 +260,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         d, tokens = s["single"]["decode_ms_per_token"], s["single"]["output_tokens_p50"]
         lines.append(f"single: decode, one stream at a time: {num(d['p50'], 1)} ms/token p50 ({num(d['p95'], 1)} p95) "
                      f"over {d['n']} answers of {num(tokens)} tokens")
+    if "single" in s and s["single"].get("first_over_later_miss") is not None:
+        f = s["single"]
+        after = "the first after the server started" if f["first_after_start"] else "the bench's first"
+        lines.append(f"single: the first request ({after}, a miss) took {num(f['first_miss_ttft_ms'])} ms, "
+                     f"{f['first_over_later_miss']}x a later miss of the same size")
     if "restart" in s and not s["restart"].get("skipped"):
         r = s["restart"]
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "

@@ -56,6 +56,12 @@ async def run_single(ctx: Context) -> ScenarioResult:
             result.samples.append(await ctx.send(name, fresh, "miss"))
         if i < plan.bypass:
             result.samples.append(await ctx.send(name, main, "bypass", bypass=True))
+    first = result.samples[0]
+    later = sorted(t for s in result.samples[1:] if s.cache == "miss" and (t := s.ttft_s) is not None)
+    # a spawned server's first request is the first after its start: warm-up should have paid the rest
+    result.details.update(first_miss_ttft_ms=None if first.ttft_s is None else round(first.ttft_s * 1000, 1),
+                          first_over_later_miss=_ratio(first.ttft_s, later[len(later) // 2] if later else None),
+                          first_after_start=ctx.server is not None)
     return result
 
 

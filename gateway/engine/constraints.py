@@ -260,6 +260,18 @@ class Grammars:
             constraint.consume(list(forced))
         return constraint
 
+    @property
+    def warmed(self) -> bool:
+        """Whether the one-time work of a first grammar (the vocabulary's view, the closing sets) is done."""
+        return self._tokenizer is not None and self._closers is not None
+
+    def warm_up(self, grammar: str) -> None:
+        """Build what every first compile and match pays once (the vocabulary's view, the closing
+        sets), compile `grammar` and mask once with it; the grammar is not kept."""
+        constraint = Constraint(self._compile(grammar, "tools", self._lltokenizer()), self.vocab_size)
+        constraint.closers = self.closers()
+        constraint.mask(torch.zeros(self.vocab_size))
+
     def closers(self) -> tuple[torch.Tensor, ...]:
         """Token sets a closing output prefers, best first (bool masks over the vocabulary), by the
         first character a token writes: the end of the output; a quote (inside a string the only

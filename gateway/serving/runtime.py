@@ -111,6 +111,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                           reserve_tokens=settings.constrained_reserve_tokens,
                           grammar_cache_bytes=settings.grammar_cache_bytes,
                           tokenizer_heads_bytes=settings.tokenizer_heads_bytes)
+    service.warm_up()
     engine.start()
     try:
         warm_configured(service, store, configured, settings)

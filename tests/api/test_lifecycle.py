@@ -35,6 +35,20 @@ def test_health_answers_at_once_and_chat_gets_503_while_loading(tiny_model_dir, 
         assert ok.status_code == 200
 
 
+def test_health_says_ok_only_once_the_first_grammars_one_time_work_is_done(live):
+    """A first request with tools used to pay llguidance's view of the vocabulary and the closing
+    token sets (about a second on the CPU) on top of its own work: the server pays it at start-up,
+    and a first tool request compiles only its own grammar."""
+    grammars = live.app.state.runtime.service.grammars
+    assert grammars.warmed
+    compiles = grammars.compiles
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    resp = httpx.post(live.api_url + "/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required",
+        "max_tokens": 8})
+    assert resp.status_code == 200 and grammars.compiles == compiles + 1
+
+
 def test_event_loop_serves_health_while_a_generation_runs(live):
     body = {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 400, "temperature": 0,
             "stream": True}

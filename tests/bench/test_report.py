@@ -83,7 +83,7 @@ FLEET_UNMEASURED = dict.fromkeys(("fleet_hits_after_first", "fleet_first_compile
 
 def test_targets_are_unknown_when_not_measured():
     assert targets({}) == {"hit_speedup_at_least_15x": None, "hit_overhead_under_20ms": None,
-                           "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None,
+                           "first_request_at_most_2x_a_later_miss": None, "interleaved_every_repeat_hits": None, "restart_at_least_10x_faster": None,
                            "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
                            "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
                            "agent_computes_only_new_messages": None, "history_rss_flat": None,
@@ -91,11 +91,15 @@ def test_targets_are_unknown_when_not_measured():
                            **FLEET_UNMEASURED}
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 30.0}})["rss_flat_over_soak"] is True
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}})["rss_flat_over_soak"] is False
+    first = "first_request_at_most_2x_a_later_miss"
+    assert targets({"single": {"first_over_later_miss": 1.3, "first_after_start": True}})[first] is True
+    assert targets({"single": {"first_over_later_miss": 3.1, "first_after_start": True}})[first] is False
+    assert targets({"single": {"first_over_later_miss": 1.3, "first_after_start": False}})[first] is None
     measured = targets({"single": {"speedup": 22.0, "hit_overhead_ms": 12.0},
                         "interleaved": {"every_repeat_hit": True},
                         "restart": {"skipped": None, "first_after_restart": "miss", "restart_speedup": 1.1}})
     assert measured == {"hit_speedup_at_least_15x": True, "hit_overhead_under_20ms": True,
-                        "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False,
+                        "first_request_at_most_2x_a_later_miss": None, "interleaved_every_repeat_hits": True, "restart_at_least_10x_faster": False,
                         "tokens_per_s_4_clients_at_least_2_5x": None, "hit_ttft_4_clients_at_most_2x": None,
                         "hit_ttft_during_compile_at_most_4x": None, "rss_flat_over_soak": None,
                         "agent_computes_only_new_messages": None, "history_rss_flat": None,
@@ -207,14 +211,14 @@ def test_checks_say_what_was_measured_and_which_targets_were_missed():
                             "soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}}, "floor": {"by_tools": {}}}
     report["targets"] = targets(report["scenarios"])
     found = {c.name: c for c in checks(report)}
-    assert len(found) == 16
+    assert len(found) == 17
     assert found["hit_speedup_at_least_15x"].result == "missed"
     assert "9.50x" in found["hit_speedup_at_least_15x"].line and ">= 15x" in found["hit_speedup_at_least_15x"].line
     assert found["hit_overhead_under_20ms"].result == "ok" and "+12.0 ms" in found["hit_overhead_under_20ms"].line
     assert found["rss_flat_over_soak"].result == "missed" and "+15.7%" in found["rss_flat_over_soak"].line
     assert found["restart_at_least_10x_faster"].result == "not measured"
     lines = check_lines(list(found.values()))
-    assert lines[0] == "check: 2 of 3 measured targets missed (13 not measured by this run's scenarios)"
+    assert lines[0] == "check: 2 of 3 measured targets missed (14 not measured by this run's scenarios)"
     assert lines[1].startswith("  MISSED hit_speedup_at_least_15x: ") and len(lines) == 4
 
 
@@ -257,8 +261,8 @@ def test_quick_runs_what_its_help_says():
     quick = _args("--quick")
     assert _default_scenarios(quick) == list(QUICK_SCENARIOS) == ["single", "interleaved"]
     plan = _plan(quick)
-    assert (plan.tools, plan.requests, plan.misses, plan.bypass, plan.groups, plan.rounds) == (10, 3, 1, 0, 2, 2)
-    assert sum(SCENARIOS[n].planned(plan) for n in QUICK_SCENARIOS) == 8
+    assert (plan.tools, plan.requests, plan.misses, plan.bypass, plan.groups, plan.rounds) == (10, 3, 2, 0, 2, 2)
+    assert sum(SCENARIOS[n].planned(plan) for n in QUICK_SCENARIOS) == 9
     assert "restart" not in _default_scenarios(_args()) and "single" in _default_scenarios(_args())
 
 
