@@ -21,15 +21,8 @@ from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta
 from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
-from gateway.engine.constraints import (
-    GRAMMAR_CACHE_BYTES,
-    Constraint,
-    GrammarError,
-    Grammars,
-    Mode,
-    json_grammar,
-    tool_grammar,
-)
+from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarError, Grammars
+from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
@@ -197,7 +190,7 @@ class ChatService:
 
     def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
                     forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
-        """The grammar this request's output must follow (gateway/engine/constraints.py), having
+        """The grammar this request's output must follow (gateway/engine/grammar_text.py), having
         consumed the forced opening; None when the output is free text. Compiled grammars are
         reused only within `tenant` (no cross-tenant timing)."""
         answer = req.response_format.answer_schema if req.response_format is not None else None

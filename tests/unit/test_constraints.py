@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
-from gateway.engine.constraints import GrammarError, Grammars, closed, json_grammar, tool_grammar
+from gateway.engine.constraints import GrammarError, Grammars
+from gateway.engine.grammar_text import closed, json_grammar, tool_grammar
 from tests.support.family_models import SETUPS, save_family_tokenizer
 
 ORDER = ToolSpec("get_order_details", "Get an order.",
