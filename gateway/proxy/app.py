@@ -22,15 +22,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.edge.admission import Preparer, TenantQuota
-from gateway.edge.auth import TENANT_HEADER, KeyRing, Tenant
+from gateway.edge.auth import KeyRing, Tenant
 from gateway.edge.browser_guard import install_browser_guard
 from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
 from gateway.edge.limits import BodySizeLimit
 from gateway.errors import BadGateway, BadRequest, NotFound, UpstreamUnavailable
 from gateway.proxy import tenancy, upstream_info
 from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_status
+from gateway.proxy.cache_pins import pin_router
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import Answer, Bounds, Forwarder, Opened, answer_usage
+from gateway.proxy.headers import upstream_headers
 from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
 from gateway.proxy.routing import affinity_key, cache_key_affinity, make_router
@@ -41,7 +43,6 @@ from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
-BYPASS_HEADER = "x-toolkv-cache"  # passed on: a toolkv upstream honours it
 RESPONSE_HOMES = 100_000  # Responses ids remembered (each ~200 bytes), least recently used out
 
 
@@ -124,6 +125,7 @@ def _install_routes(app: FastAPI) -> None:
 
     for kind, path in PATHS.items():
         app.add_api_route(path, _endpoint(kind), methods=["POST"], name=f"proxy_{kind}")
+    app.include_router(pin_router())  # on every upstream that holds the entry
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(request: Request, response_id: str) -> Response:
@@ -255,26 +257,3 @@ def _hold(request: Request, tenant: Tenant) -> Release:
                 quota_release()
 
     return release
-
-
-def upstream_headers(request: Request, tenant: Tenant | None = None) -> dict[str, str]:
-    """What an upstream gets besides the body: the upstream key (or, on an open proxy without
-    one, the client's own `Authorization`: a proxy with keys never passes its clients' keys on),
-    and in tenant mode `tenant`'s own salt as `X-Toolkv-Tenant`, which a toolkv upstream that
-    trusts this proxy's key takes as the request's namespace (gateway/edge/auth.py)."""
-    state = request.app.state
-    settings: Settings = state.settings
-    headers = {"content-type": "application/json", "accept-encoding": "identity"}
-    safety: tenancy.TenantSafety = state.tenant_safety
-    if tenant is not None and tenant.salt and safety.required:
-        headers[TENANT_HEADER] = tenant.salt
-    # A UUID: llama-cpp-python's server refuses any other X-Request-Id with a bare 400.
-    if request_id := getattr(request.state, "upstream_request_id", None):
-        headers["x-request-id"] = request_id
-    if settings.upstream_api_key:
-        headers["authorization"] = f"Bearer {settings.upstream_api_key}"
-    elif state.keyring.open and "authorization" in request.headers:
-        headers["authorization"] = request.headers["authorization"]
-    if bypass := request.headers.get(BYPASS_HEADER):
-        headers[BYPASS_HEADER] = bypass
-    return headers

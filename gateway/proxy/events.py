@@ -86,12 +86,28 @@ def event_usage(kind: Kind, event: bytes) -> tuple[Usage | None, bool]:
 
 
 def body_usage(kind: Kind, body: dict[str, Any]) -> Usage | None:
-    """The usage of a whole answer, a chat/completions chunk, or a Responses event."""
+    """The usage of a whole answer, a chat/completions chunk, a Responses event, or a Messages
+    event (`message_start` holds the prompt's; a `message_delta` may repeat it whole)."""
+    if kind == "messages":
+        message = body.get("message") if body.get("type") == "message_start" else body
+        return _messages_usage(message.get("usage") if isinstance(message, dict) else None)
     if kind == "responses":
         response = body.get("response") if "response" in body else body
         usage = response.get("usage") if isinstance(response, dict) else None
         return _usage(usage, "input_tokens", "input_tokens_details")
     return _usage(body.get("usage"), "prompt_tokens", "prompt_tokens_details")
+
+
+def _messages_usage(usage: Any) -> Usage | None:
+    """Anthropic's split (`input_tokens` is the prompt less what was read from or written to the
+    cache) as a prompt and its cached tokens; None for a usage without `input_tokens` (a
+    `message_delta` that counts only the output)."""
+    if not isinstance(usage, dict) or not isinstance(usage.get("input_tokens"), int):
+        return None
+    counts = [usage.get(key) for key in ("cache_read_input_tokens", "cache_creation_input_tokens")]
+    read, written = (count if isinstance(count, int) else 0 for count in counts)
+    return Usage(prompt_tokens=usage["input_tokens"] + read + written,
+                 cached_tokens=read if "cache_read_input_tokens" in usage else None)
 
 
 def _usage(usage: Any, prompt_key: str, details_key: str) -> Usage | None:

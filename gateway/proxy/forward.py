@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
+from gateway.protocol.messages import error_body as anthropic_error
 from gateway.proxy.bounded import Unreadable, check_encoding, passed_headers, passed_status, read_body
 from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
 from gateway.proxy.exchange import Exchange
@@ -229,8 +230,11 @@ def no_upstream(failures: list[Failure]) -> BadGateway | UpstreamUnavailable:
 
 
 def stream_error(kind: Kind) -> bytes:
-    """The event that ends a stream the upstream broke off (then `[DONE]` for chat/completions)."""
+    """The event that ends a stream the upstream broke off (then `[DONE]` for chat/completions):
+    in the API's own shape."""
     message, code = "the upstream broke off the stream", "upstream_error"
+    if kind == "messages":  # Anthropic's error event ends the stream (no [DONE])
+        return b"event: error\ndata: " + orjson.dumps(anthropic_error(message, 502)) + b"\n\n"
     if kind == "responses":
         event = {"type": "error", "code": code, "message": message, "param": None}
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

@@ -4,7 +4,12 @@ routed by (the local path's `ToolGroup`: leading system text + tools; or the cli
 order (so an upstream's own prefix cache sees one prompt head whatever order clients send), the
 tenant's `cache_salt` (vLLM's per-request prefix-cache namespace), and usage asked of a stream
 (for the hit/miss metrics). Everything else goes through as the client sent it: the upstream
-validates it and answers for it."""
+validates it and answers for it.
+
+A Messages API request (`/v1/messages`) has the group its chat translation has (gateway/protocol/
+messages.py): `system`, then any leading system messages, and the tools with their
+`input_schema` as parameters, so it is routed where the equivalent chat request is and shares its
+prefix there. Its streams report usage without being asked."""
 
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from adapters.base import ToolGroup, ToolSpec, canonical_rank
 from gateway.errors import BadRequest
 from gateway.settings import Settings
 
-Kind = Literal["chat", "completions", "responses"]
+Kind = Literal["chat", "completions", "responses", "messages"]
 PATHS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-                          "responses": "/v1/responses"}
+                          "responses": "/v1/responses", "messages": "/v1/messages"}
 SYSTEM_ROLES = ("system", "developer")
 PROMPT_HEAD_CHARS = 1024  # a text completion has no tool group: it is routed by its prompt's head
 
@@ -54,7 +59,7 @@ def shape(kind: Kind, data: dict[str, Any], settings: Settings, salt_for: Callab
         if salt:
             data["cache_salt"] = salt
     stream = data.get("stream") is True
-    client_usage = kind == "responses" or _asks_usage(data)
+    client_usage = kind in ("responses", "messages") or _asks_usage(data)
     if stream and not client_usage:
         options = data.get("stream_options")
         data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -81,19 +86,20 @@ def _check_counts(data: dict[str, Any], settings: Settings) -> None:
 def _group_id(kind: Kind, data: dict[str, Any]) -> str:
     if kind == "completions":
         return _prompt_head_id(data.get("prompt"))
-    flat = kind == "responses"  # Responses tools are {type, name, ...}; chat's nest under `function`
-    specs = _canonical_tools(data, flat)
-    system = _instructions_and_system(data) if flat else _leading_system(data.get("messages"))
+    specs = _canonical_tools(data, kind)
+    if kind == "messages":
+        return ToolGroup.of(_messages_system(data), specs).group_id
+    system = _instructions_and_system(data) if kind == "responses" else _leading_system(data.get("messages"))
     return ToolGroup.of(system, specs).group_id
 
 
-def _canonical_tools(data: dict[str, Any], flat: bool) -> list[ToolSpec]:
+def _canonical_tools(data: dict[str, Any], kind: Kind) -> list[ToolSpec]:
     """The tools as specs; the body's `tools` sorted into canonical order when every one is a
     function tool (anything else is left as sent, for the upstream to judge)."""
     tools = data.get("tools")
     if not isinstance(tools, list):
         return []
-    specs = [_spec(tool, flat) for tool in tools]
+    specs = [_messages_spec(tool) if kind == "messages" else _spec(tool, kind == "responses") for tool in tools]
     known = [spec for spec in specs if spec is not None]
     if len(known) == len(tools):
         order = sorted(range(len(tools)), key=lambda i: canonical_rank(known[i]))
@@ -109,6 +115,24 @@ def _spec(tool: Any, flat: bool) -> ToolSpec | None:
     if not isinstance(name, str) or not isinstance(description, str | None) or not isinstance(parameters, dict | None):
         return None
     return ToolSpec(name=name, description=description, parameters=parameters)
+
+
+def _messages_spec(tool: Any) -> ToolSpec | None:
+    """A Messages tool (`{name, description, input_schema}`, type absent or `custom`) as the spec of
+    the chat function it becomes."""
+    if not isinstance(tool, dict) or tool.get("type") not in ("custom", None):
+        return None
+    return _spec({"name": tool.get("name"), "description": tool.get("description"),
+                  "parameters": tool.get("input_schema")}, flat=True)
+
+
+def _messages_system(data: dict[str, Any]) -> str | None:
+    """A Messages request's system text: `system`, then its leading system messages."""
+    system = data.get("system")
+    head = [_text(system)] if isinstance(system, str | list) else []
+    rest = _leading_system(data.get("messages"))
+    texts = head + ([rest] if rest is not None else [])
+    return "\n\n".join(texts) if texts else None
 
 
 def _leading_system(messages: Any) -> str | None:

@@ -1,8 +1,9 @@
-"""A scripted OpenAI-compatible upstream for what a real toolkv cannot be made to do on cue: it
-records every request that reaches it (body and headers), can hold requests until the test
-releases them, answer with a status, or break its stream off; says on /version that it takes
-toolkv's tenant header (or not); and misbehaves on cue: headers a client must not see, a body or
-an event larger than a bound, a compressed answer, a stream of keep-alive comments alone."""
+"""A scripted OpenAI-compatible upstream (with a streamed Anthropic Messages API) for what a real
+toolkv cannot be made to do on cue: it records every request that reaches it (body and headers),
+can hold requests until the test releases them, answer with a status, or break its stream off;
+says on /version that it takes toolkv's tenant header (or not); and misbehaves on cue: headers a
+client must not see, a body or an event larger than a bound, a compressed answer, a stream of
+keep-alive comments alone."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class FakeUpstream:
         self.app.add_api_route("/version", self._version, methods=["GET"])
         self.app.add_api_route("/v1/models", self._models, methods=["GET"])
         self.app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        self.app.add_api_route("/v1/messages", self._messages, methods=["POST"])
 
     async def _health(self) -> JSONResponse:
         if self.like_llama_cpp_python:
@@ -148,6 +150,33 @@ class FakeUpstream:
         if (body.get("stream_options") or {}).get("include_usage"):
             out.append({**chunk(None), "usage": self._usage()})
         return out
+
+    async def _messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, streamed only: its events in Anthropic's order (broken off
+        after `break_after` of them)."""
+        self.arrivals.record(Arrival(self.name, orjson.loads(await request.body()), dict(request.headers)))
+        if self.status != 200:
+            return JSONResponse({"type": "error", "error": {"type": "api_error", "message": f"{self.name} says "
+                                                            f"{self.status}"}}, status_code=self.status)
+        usage = {"input_tokens": 100 - self.cached_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                 "cache_read_input_tokens": self.cached_tokens}
+        message = {"id": f"msg_{self.name}", "type": "message", "role": "assistant", "model": "fake",
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+        events = [("message_start", {"message": message}),
+                  ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+                  ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": self._content()}}),
+                  ("content_block_stop", {"index": 0}),
+                  ("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                     "usage": {**usage, "output_tokens": 2}}),
+                  ("message_stop", {})]
+
+        async def stream() -> AsyncIterator[bytes]:
+            for sent, (name, data) in enumerate(events):
+                if sent == self.break_after:
+                    raise RuntimeError("the fake upstream drops the connection mid-stream")
+                yield f"event: {name}\n".encode() + b"data: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     def _usage(self) -> dict[str, Any]:
         return {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
