@@ -29,7 +29,7 @@ from gateway.edge.limits import BodySizeLimit
 from gateway.errors import BadGateway, BadRequest, NotFound, UpstreamUnavailable
 from gateway.proxy import tenancy, upstream_info
 from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_status
-from gateway.proxy.cache_pins import pin_router
+from gateway.proxy.cache_pins import add_pin_routes
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.forward import Answer, Bounds, Forwarder, Opened, answer_usage
 from gateway.proxy.headers import upstream_headers
@@ -125,7 +125,7 @@ def _install_routes(app: FastAPI) -> None:
 
     for kind, path in PATHS.items():
         app.add_api_route(path, _endpoint(kind), methods=["POST"], name=f"proxy_{kind}")
-    app.include_router(pin_router())  # on every upstream that holds the entry
+    add_pin_routes(app)  # on every upstream that holds the entry
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(request: Request, response_id: str) -> Response:

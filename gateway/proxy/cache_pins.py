@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import httpx
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.edge.cache_ids import checked_id, unknown_entry
@@ -47,20 +47,18 @@ class PinAnswer:
         return body if isinstance(body, dict) else None
 
 
-def pin_router(label: Label = str, field: str = "upstreams") -> APIRouter:
-    """The two routes; each answer lists the upstreams that pinned (or unpinned) the entry under
-    `field`, each as `label` names its base URL."""
-    router = APIRouter()
-
+def add_pin_routes(target: FastAPI | APIRouter, label: Label = str, field: str = "upstreams") -> None:
+    """Add the two routes to `target` (as routes of its own: the Ray ingress replaces the proxy's
+    by path); each answer lists the upstreams that pinned (or unpinned) the entry under `field`,
+    each as `label` names its base URL."""
     def route(method: Literal["POST", "DELETE"]) -> Callable[[str, Request], Awaitable[Response]]:
         async def change(entry_id: str, request: Request) -> Response:
             return await change_pin(request, method, entry_id, label, field)
 
         return change
 
-    router.add_api_route(PIN_PATH, route("POST"), methods=["POST"], name="pin_everywhere")
-    router.add_api_route(PIN_PATH, route("DELETE"), methods=["DELETE"], name="unpin_everywhere")
-    return router
+    target.add_api_route(PIN_PATH, route("POST"), methods=["POST"], name="pin_everywhere")
+    target.add_api_route(PIN_PATH, route("DELETE"), methods=["DELETE"], name="unpin_everywhere")
 
 
 async def change_pin(request: Request, method: Literal["POST", "DELETE"], entry_id: str, label: Label,

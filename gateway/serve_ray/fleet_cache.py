@@ -1,12 +1,13 @@
 """The fleet's cache through the ingress: the single gateway's endpoints (`gateway/api/cache_routes.py`)
 across the engine replicas, each answer naming them. `GET /v1/cache` lists every replica's
 entries, each with its `replica` (an entry in a shared cache dir's disk tier is listed by every
-replica that can load it); `GET /v1/cache/{id}` is that entry as a replica holding it in RAM sees
-it (else the one that used it last), with every replica that lists it; `POST /v1/cache/warm`
-compiles a group on the replica its requests will be routed to; `DELETE /v1/cache/{id}` and
-`DELETE /v1/cache` go to every replica (each may hold a copy in RAM, and a shared disk entry is
-each one's to drop). The admin key (once keys are set) is checked here first; a replica that does
-not answer is named, never waited for long."""
+replica that can load it), and the fleet's pinned bytes and budget; `GET /v1/cache/{id}` is that
+entry as a replica holding it in RAM sees it (else the one that used it last), with every replica
+that lists it; `POST /v1/cache/warm` compiles a group on the replica its requests will be routed
+to; `DELETE /v1/cache/{id}`, `DELETE /v1/cache` and `POST`/`DELETE /v1/cache/{id}/pin` go to every
+replica (each may hold a copy in RAM, and a shared disk entry is each one's to drop; a pinned
+group stays pinned wherever it lives, gateway/proxy/cache_pins.py). The admin key (once keys are
+set) is checked here first; a replica that does not answer is named, never waited for long."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from adapters.base import ToolGroup, ToolSpec
 from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.errors import UpstreamUnavailable
-from gateway.proxy.app import upstream_headers
+from gateway.proxy.cache_pins import add_pin_routes
+from gateway.proxy.headers import upstream_headers
 from gateway.proxy.routing import affinity_key
-from gateway.serve_ray.fleet_calls import CHANGE_TIMEOUT_S, ReplicaAnswer, ask_replicas, replica_name
+from gateway.serve_ray.fleet_calls import CHANGE_TIMEOUT_S, ReplicaAnswer, ask_replicas, fleet_pinned, replica_name
 
 router = APIRouter()
+add_pin_routes(router, replica_name, "replicas")
 
 
 @router.get("/v1/cache")
@@ -33,8 +36,11 @@ async def list_entries(request: Request) -> Response:
     answers = await ask_replicas(request, "GET", "/v1/cache")
     if (refusal := _refusal(answers)) is not None:
         return refusal
-    body: dict[str, Any] = {"object": "list", "data": [{**entry, "replica": a.replica} for a in _answered(answers)
-                                                       for entry in a.json()["data"]]}
+    listings = {a.replica: a.json() for a in _answered(answers)}
+    body: dict[str, Any] = {"object": "list", "data": [{**entry, "replica": replica}
+                                                       for replica, listing in listings.items()
+                                                       for entry in listing["data"]],
+                            **fleet_pinned(list(listings.values()), request.app.state.settings.replica_cache)}
     if missing := _missing(answers):
         if len(missing) == len(answers):
             raise _unavailable(missing, "the cache cannot be listed")

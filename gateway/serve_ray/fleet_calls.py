@@ -15,7 +15,7 @@ import orjson
 from fastapi import Request
 
 from gateway.proxy import upstream_info
-from gateway.proxy.app import upstream_headers
+from gateway.proxy.headers import upstream_headers
 
 CHANGE_TIMEOUT_S = 30.0  # deleting entries: a replica may be writing or sweeping its disk tier
 
@@ -73,3 +73,13 @@ def fleet_status(replicas: list[dict[str, Any]]) -> str:
     """`ok` when every replica is, `degraded` when some are, `failed` when none is."""
     serving = sum(r["status"] == "ok" for r in replicas)
     return "ok" if serving == len(replicas) else ("degraded" if serving else "failed")
+
+
+def fleet_pinned(replicas: list[dict[str, Any]], replica_cache: str) -> dict[str, int]:
+    """The fleet's `pinned_bytes` and `pinned_budget_bytes` from the replicas' (each a dict with
+    both): replicas sharing a cache dir share one pin file and one budget (the largest count is
+    the freshest view of it); with separate dirs each has its own, and the fleet's are the sums."""
+    if not replicas:
+        return {"pinned_bytes": 0, "pinned_budget_bytes": 0}
+    join = max if replica_cache == "shared" else sum
+    return {key: int(join(int(r.get(key) or 0) for r in replicas)) for key in ("pinned_bytes", "pinned_budget_bytes")}

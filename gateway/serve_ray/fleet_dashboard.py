@@ -3,7 +3,8 @@ files, the same browser guard and CSP) over the whole fleet. `GET /v1/dashboard/
 the numbers with the single gateway's functions from the fleet's merged series (every replica's,
 labelled `replica`), and adds a row per replica: its name, status, requests in flight, hits and
 misses, entries. Requests are counted as the ingress answered them (a retry on a second replica
-is one request); the tool groups are the replicas' RAM entries, each with its replica."""
+is one request); the tool groups are the replicas' RAM entries, and the pinned groups each
+replica's pins, each with its replica (bytes and budget as `GET /v1/cache` counts the fleet's)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 
 from gateway.api.dashboard import MAX_GROUP_ROWS, engine, request_totals, totals, ttft_ceiling_ms, ttft_windows
 from gateway.metrics import EngineView
-from gateway.serve_ray.fleet_calls import ReplicaAnswer, ask_replicas, fleet_status, replica_health
+from gateway.serve_ray.fleet_calls import ReplicaAnswer, ask_replicas, fleet_pinned, fleet_status, replica_health
 from gateway.serve_ray.fleet_metrics import fleet_families, ingress_name, only_replica
 
 router = APIRouter(include_in_schema=False)
@@ -52,7 +53,7 @@ async def fleet_stats(request: Request) -> JSONResponse:
         if any(a.status == 200 for a in scraped) else None,
         "ttft_windows": (points := windows.to_json()), "ttft_ceiling_ms": ttft_ceiling_ms(points),
         "window_s": windows.window_s, "groups": _groups(stats),
-        "replicas": rows})
+        "pins": _pins(stats, request.app.state.settings.replica_cache), "replicas": rows})
 
 
 def _fleet_totals(families: Sequence[Metric], rows: list[dict[str, Any]], replica_cache: str) -> dict[str, Any]:
@@ -79,6 +80,17 @@ def _groups(stats: list[ReplicaAnswer]) -> list[dict[str, Any]]:
     rows = [{**group, "replica": answer.replica} for answer in stats if answer.status == 200
             for group in answer.json()["groups"]]
     return sorted(rows, key=lambda row: row["last_used_at"], reverse=True)[:MAX_GROUP_ROWS]
+
+
+def _pins(stats: list[ReplicaAnswer], replica_cache: str) -> dict[str, Any] | None:
+    """Every replica's pinned groups (a group pinned in a shared cache dir is listed by each
+    replica), largest first; None until a replica has loaded its model."""
+    pins = {answer.replica: own for answer in stats if answer.status == 200 and (own := answer.json().get("pins"))}
+    if not pins:
+        return None
+    groups = [{**group, "replica": replica} for replica, own in pins.items() for group in own["groups"]]
+    return {**fleet_pinned(list(pins.values()), replica_cache),
+            "groups": sorted(groups, key=lambda group: group["num_bytes"], reverse=True)[:MAX_GROUP_ROWS]}
 
 
 def _model_name(families: Sequence[Metric]) -> str | None:

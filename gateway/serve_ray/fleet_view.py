@@ -12,11 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gateway.api import dashboard
+from gateway.proxy.cache_pins import PIN_PATH
 from gateway.serve_ray import fleet_cache, fleet_dashboard
 from gateway.serve_ray.fleet_calls import fleet_status, replica_health
 from gateway.serve_ray.fleet_metrics import fleet_collector
 
-REPLACED_PATHS = frozenset({"/metrics", "/health"})  # proxy mode's, which know upstreams, not replicas
+# proxy mode's, which know upstreams, not replicas (the pin routes: answers naming replicas)
+REPLACED_PATHS = frozenset({"/metrics", "/health", PIN_PATH})
 
 
 def install_fleet_view(app: FastAPI, replicas: Sequence[str]) -> None:

@@ -4,8 +4,8 @@ serves a fleet of engine replicas unchanged. `http://engine-3/v1/...` goes to th
 `engine-3`; a stream comes back chunk by chunk (`handle.options(stream=True)`).
 
 With API keys the proxy never passes a client's key upstream; here the replicas are the same
-gateway, so the client's `Authorization` goes with the request (`ForwardClientKey` keeps it for
-the request's task) and each replica derives the same tenant, salt and cache namespace as a
+gateway, so the client's key goes with the request (`ForwardClientKey` keeps it for the
+request's task) and each replica derives the same tenant, salt and cache namespace as a
 single gateway would.
 
 httpx enforces its timeouts only on its own network, so this transport applies the request's read
@@ -30,7 +30,8 @@ CLIENT_AUTHORIZATION: contextvars.ContextVar[bytes | None] = contextvars.Context
 
 
 class ForwardClientKey:
-    """ASGI middleware: remembers the client's `Authorization` for the transport."""
+    """ASGI middleware: remembers the client's key for the transport, as `Authorization` (a key
+    sent as `x-api-key`, as Anthropic's clients send it, becomes its bearer form)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -39,7 +40,10 @@ class ForwardClientKey:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        sent = dict(scope["headers"]).get(b"authorization")
+        headers = dict(scope["headers"])
+        sent = headers.get(b"authorization")
+        if sent is None and (api_key := headers.get(b"x-api-key")):
+            sent = b"Bearer " + api_key
         token = CLIENT_AUTHORIZATION.set(sent)
         try:
             await self.app(scope, receive, send)
