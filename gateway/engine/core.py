@@ -3,12 +3,13 @@ served by continuous batching on one worker thread, so the event loop never bloc
 
 The step loop (`_run`), in order:
 1. take new work: jobs wait in a bounded queue (429 past `max_queue`); tasks run between steps;
-2. admit jobs while fewer than `max_batch` sequences run: look the tool group up (RAM, disk),
-   reserve blocks for the rest (evicting unused cached groups if the pool is full; a job that does
-   not fit yet waits, one that never can is refused at submit);
+2. admit jobs while fewer than `max_batch` sequences run, in turn between tenants (intake.py): look
+   the tool group up (RAM, disk), reserve blocks for the rest (evicting unused cached groups if the
+   pool is full; a job that does not fit yet waits, one that never can is refused at submit);
 3. drop sequences whose client went away, freeing their blocks at once;
-4. run one step: one forward over a flat batch of every decoding sequence's next token and the
-   prompt chunks within the step's token budget (scheduler.py, model_runner.py);
+4. run one step: one forward over a flat batch of the decoding sequences' next tokens and the
+   prompt chunks within the step's token budget, a fair share for each tenant (scheduler.py,
+   model_runner.py);
 5. sample (the plain greedy rows in one batched argmax on the device, the others per sequence),
    emit text, and finish sequences that are done.
 
@@ -27,7 +28,6 @@ logits by itself fails.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -42,10 +42,10 @@ from gateway.engine.events import (
     Finished,
     Job,
     Prefilled,
-    QueueFull,
     Task,
     TooLarge,
 )
+from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.sampling import (
@@ -55,7 +55,7 @@ from gateway.engine.sampling import (
     greedy_picks,
     on_host,
 )
-from gateway.engine.scheduler import Scheduler, StepPlan
+from gateway.engine.scheduler import ROW_COST_TOKENS, Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.engine.warmup import warm_up
@@ -67,7 +67,6 @@ from gateway.kvcache.store import PrefixStore
 log = logging.getLogger(__name__)
 
 FIRST_TOKEN_HANDOFF_S = 0.05
-_IDLE_WAIT_S = 0.05  # a held job with nothing running re-checks the pool this often
 
 
 class Engine:
@@ -86,12 +85,11 @@ class Engine:
         self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
-        self.scheduler = Scheduler(chunk_tokens)
+        self.scheduler = Scheduler(chunk_tokens, row_cost=ROW_COST_TOKENS if batch_invariant else 0)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=chunk_tokens,
                                     min_prefix_tokens=min_prefix_tokens, turn_opening=turn_opening,
                                     conversation_reuse=conversation_reuse, pool_only=self.runner.reads_pool_only)
-        self._intake: queue.Queue[Job | Task | None] = queue.Queue(maxsize=max_queue)
-        self._held: list[Job] = []
+        self._intake = Intake(max_queue)
         self._running: list[Sequence] = []
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self._steps = StepLog()
@@ -111,7 +109,7 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._intake.put(None)
+        self._intake.close()
         self._thread.join(timeout=30)
         self.store.close()  # finish pending disk writes, so a restart finds them
 
@@ -122,7 +120,7 @@ class Engine:
             raise TooLarge(f"the request needs {len(job.prompt_ids) + job.params.max_tokens} tokens of KV; "
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         job.submitted = time.perf_counter()
-        self._enqueue(job)
+        self._intake.put(job)
 
     def abort(self, job: Job) -> None:
         """Stop a job wherever it is (queued, waiting or running); its blocks are freed."""
@@ -131,7 +129,7 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn` on the engine thread, between steps; its result arrives in the future."""
         task = Task(fn)
-        self._enqueue(task)
+        self._intake.put(task)
         return task.future
 
     def warm(self, key: PrefixKey, group_id: str, tool_names: tuple[str, ...]) -> Future[tuple[CacheEntry, bool]]:
@@ -146,7 +144,7 @@ class Engine:
         job = Job(list(key.token_ids), len(key.token_ids), SamplingParams(max_tokens=1), emit=lambda _: None,
                   group_id=group_id, tool_names=tool_names, warm=future)
         job.submitted = time.perf_counter()
-        self._enqueue(job)
+        self._intake.put(job)
         return future
 
     def forget_conversations(self) -> Future[int]:
@@ -157,7 +155,7 @@ class Engine:
     def stats(self) -> EngineStats:
         cache = self.cache
         conversations = cache.conversations
-        return EngineStats(running=len(self._running), waiting=self._intake.qsize() + len(self._held),
+        return EngineStats(running=len(self._running), waiting=self._intake.depth,
                            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
                            kv_blocks_cached=cache.cached_blocks(), kv_block_tokens=self.pool.block_tokens,
                            preemptions_total=self.num_preempted,
@@ -177,23 +175,17 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._intake.qsize() + len(self._held)
+        return self._intake.depth
 
     @property
     def busy(self) -> bool:
         return bool(self._running)
 
-    def _enqueue(self, item: Job | Task) -> None:
-        try:
-            self._intake.put_nowait(item)
-        except queue.Full:
-            raise QueueFull from None
-
     # ---- the step loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while self._take_new_work():
-            self._admit()
+        while self._intake.take(bool(self._running), self._run_task):
+            self._intake.admit(self._running, self.max_batch, self._admit_one, self._fail_job)
             self._drop_cancelled()
             plan = self.scheduler.plan(self._running)
             if plan:
@@ -201,30 +193,6 @@ class Engine:
         for seq in self._running:
             seq.release()
         self._running.clear()
-
-    def _take_new_work(self) -> bool:
-        """Block while idle; otherwise take what is queued without waiting, up to the batch size.
-        False once the engine is told to stop."""
-        idle = not self._running
-        while len(self._running) + len(self._held) < self.max_batch or idle:
-            try:
-                if idle and not self._held:
-                    item = self._intake.get()
-                elif idle:
-                    item = self._intake.get(timeout=_IDLE_WAIT_S)
-                else:
-                    item = self._intake.get_nowait()
-            except queue.Empty:
-                return True
-            idle = False
-            if item is None:
-                return False
-            if isinstance(item, Task):
-                self._run_task(item)
-                idle = not self._running and not self._held
-            elif not item.cancelled.is_set():
-                self._held.append(item)
-        return True
 
     def _run_task(self, task: Task) -> None:
         if not task.future.set_running_or_notify_cancel():
@@ -234,23 +202,6 @@ class Engine:
                 task.future.set_result(task.fn())
         except Exception as exc:
             task.future.set_exception(exc)
-
-    def _admit(self) -> None:
-        for job in list(self._held):
-            if job.cancelled.is_set():
-                self._held.remove(job)
-                continue
-            try:
-                seq = self._admit_one(job)
-            except Exception as exc:
-                self._held.remove(job)
-                self._fail_job(job, exc)
-                continue
-            if seq is HOLD:
-                continue
-            self._held.remove(job)
-            if seq is not None:
-                self._running.append(seq)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.job.cancelled.is_set()]:
@@ -369,7 +320,7 @@ class Engine:
         self._retire(seq)
         again = self._admit_one(seq.job, recompute=True)
         if again is HOLD:
-            self._held.insert(0, seq.job)
+            self._intake.hold_first(seq.job)
         elif again is not None:
             self._running.append(again)
 

@@ -5,13 +5,28 @@ prefilled in chunks (cut by the prompt's tokens alone, see engine/chunks.py), at
 most `chunk_tokens` prompt tokens a step beside the decodes, shortest remaining prompt first: a
 hit's short suffix goes ahead of a long tool-group compile, and every step still advances the
 decodes, so nobody waits for a compile to finish.
+
+Between tenants it is fair (deficit round robin). When two or more tenants have work, each step
+gives every tenant the same quantum: the cost of what the tenant with the least work would run
+alone, so that one runs as if alone and a step costs about `tenants` times as much; a tenant with
+more work takes its items (least recently run first) while its credit lasts and carries the rest
+of its credit to the next step, so its larger items (a long chunk) still come. Costs are in prompt
+tokens: a chunk its tokens, a decode row one, and with `row_cost` (batch-invariant linears: each
+row and chunk is its own product that reads every weight, see model_runner.py) that much more per
+row or chunk. Without it the decode rows share one product: they all go in every step, uncharged,
+and only the prefill is shared.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gateway.engine.sequence import Phase, Sequence
+
+# What a row or chunk costs beyond its tokens when each has its own product (batch-invariant on a
+# CPU): a decode row of the default model took about as long as 16 more tokens of a chunk.
+ROW_COST_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -28,10 +43,31 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, chunk_tokens: int) -> None:
+    def __init__(self, chunk_tokens: int, row_cost: int = 0) -> None:
         self.chunk_tokens = chunk_tokens
+        self.row_cost = row_cost
+        self._credit: dict[str, float] = {}  # tenant -> cost it may still spend (fair steps only)
+        self._steps = 0
 
     def plan(self, running: list[Sequence]) -> StepPlan:
+        self._steps += 1
+        tenants: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in running:
+            if self.row_cost or seq.phase is not Phase.DECODE:  # what the fair share counts
+                tenants[seq.job.tenant].append(seq)
+        if len(tenants) < 2:
+            self._credit.clear()
+            plan = self._alone(running)
+        else:
+            plan = self._shared(tenants)
+            if not self.row_cost:
+                plan.decode = [s for s in running if s.phase is Phase.DECODE]
+        for seq in (*plan.decode, *(seq for seq, _, _ in plan.prefill)):
+            seq.last_step = self._steps
+        return plan
+
+    def _alone(self, running: list[Sequence]) -> StepPlan:
+        """Every decode row, and prompt chunks shortest remaining first within the token budget."""
         plan = StepPlan(decode=[s for s in running if s.phase is Phase.DECODE])
         budget = self.chunk_tokens
         for seq in sorted((s for s in running if s.phase is not Phase.DECODE), key=lambda s: s.remaining_prefill):
@@ -43,3 +79,49 @@ class Scheduler:
             if budget <= 0:
                 break
         return plan
+
+    def _shared(self, tenants: dict[str, list[Sequence]]) -> StepPlan:
+        """Each tenant's quantum of work; the tenant owed the most goes first."""
+        for gone in self._credit.keys() - tenants.keys():
+            del self._credit[gone]
+        quantum = min(self._cost(self._alone(seqs)) for seqs in tenants.values())
+        for tenant in tenants:
+            self._credit[tenant] = self._credit.get(tenant, 0.0) + quantum
+        plan = StepPlan()
+        owed = sorted(tenants, key=lambda t: -self._credit[t])
+        for tenant in owed:
+            if self._take(plan, tenants[tenant], tenant):
+                self._credit[tenant] = 0.0  # nothing left waiting: no credit is banked
+        if not plan:  # no tenant's next item fits its credit yet: the one owed most runs it on credit
+            self._take(plan, tenants[owed[0]], owed[0], debt=True)
+        return plan
+
+    def _take(self, plan: StepPlan, seqs: list[Sequence], tenant: str, debt: bool = False) -> bool:
+        """Add `seqs`' items in turn while the tenant's credit and the step's token budget last
+        (`debt`: the first one whatever it costs); True when all of them went."""
+        budget = self.chunk_tokens - sum(end - start for _, start, end in plan.prefill)
+        for seq in sorted(seqs, key=_turn):
+            if seq.phase is Phase.DECODE:
+                cost = 1 + self.row_cost
+            else:
+                start, end = seq.next_chunk()
+                if plan.prefill and end - start > budget:
+                    return False
+                cost = end - start + self.row_cost
+            if cost > self._credit[tenant] and not (debt and not plan):
+                return False
+            self._credit[tenant] -= cost
+            if seq.phase is Phase.DECODE:
+                plan.decode.append(seq)
+            else:
+                plan.prefill.append((seq, start, end))
+                budget -= end - start
+        return True
+
+    def _cost(self, plan: StepPlan) -> float:
+        return plan.num_tokens + (len(plan.decode) + len(plan.prefill)) * self.row_cost
+
+
+def _turn(seq: Sequence) -> tuple[int, bool, int]:
+    """A tenant's items, least recently run first; then decode rows, then the shortest prompt."""
+    return seq.last_step, seq.phase is not Phase.DECODE, seq.remaining_prefill

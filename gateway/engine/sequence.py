@@ -60,6 +60,7 @@ class Sequence:
     compile_s: float = 0.0
     forward_s: float = 0.0  # the model's forward passes over this sequence's own prompt tokens
     first_token_handed_off: bool = False
+    last_step: int = 0  # the scheduler's step that last ran it (0: none yet)
     chain: list[bytes] = field(default_factory=list)  # the prompt's block hashes (prefix_index)
     source: Record | None = None  # the conversation record its rest started from
     rest_from: int = 0  # where its own prompt tokens start being computed (after a copied turn)
