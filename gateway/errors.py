@@ -135,9 +135,11 @@ def error_envelope(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-async def send_error(send: Send, error: APIError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """Answer with `error` from ASGI middleware, which runs outside FastAPI's exception handlers."""
-    payload = orjson.dumps(error.envelope())
+async def send_error(send: Send, error: APIError, extra_headers: Iterable[tuple[bytes, bytes]] = (),
+                     body: dict[str, Any] | None = None) -> None:
+    """Answer with `error` from ASGI middleware, which runs outside FastAPI's exception handlers
+    (`body`: the envelope, when not OpenAI's)."""
+    payload = orjson.dumps(error.envelope() if body is None else body)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                *((k.lower().encode(), v.encode()) for k, v in error.headers.items()), *extra_headers]
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})

@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.edge.limits import envelope_for
 from gateway.errors import APIError, MisdirectedRequest, UnsupportedMediaType, send_error
 from gateway.settings import Settings
 
@@ -58,7 +59,7 @@ class BrowserGuard:
             return
         error = self.refusal(scope)
         if error is not None:
-            await send_error(send, error, EVERY_RESPONSE_HEADERS)
+            await send_error(send, error, EVERY_RESPONSE_HEADERS, body=envelope_for(scope["path"], error))
             return
         await self.app(scope, receive, _with_security_headers(send))
 

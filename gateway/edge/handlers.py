@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.edge.admission import disconnected
-from gateway.edge.limits import check_json_depth
+from gateway.edge.limits import check_json_depth, is_messages_path
 from gateway.errors import APIError, BadRequest, error_envelope
 from gateway.protocol.chat import UnsupportedField
 from gateway.protocol.messages import error_body as anthropic_error
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the response
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages"})
-MESSAGES_PATH = "/v1/messages"  # and what is under it: errors in Anthropic's envelope
 GONE: Any = object()  # the client hung up
 T = TypeVar("T")
 
@@ -69,8 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def _rendered(request: Request, envelope: dict[str, Any], status: int,
               headers: dict[str, str] | None = None) -> JSONResponse:
     """The error as OpenAI's envelope, or on the Messages API's paths as Anthropic's."""
-    path = request.url.path
-    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+    if is_messages_path(request.url.path):
         envelope = anthropic_error(envelope["error"]["message"], status, envelope["error"]["param"])
     return JSONResponse(envelope, status_code=status, headers=headers)
 

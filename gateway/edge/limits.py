@@ -16,7 +16,10 @@ from gateway.edge.auth import KeyRing
 from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
 from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.messages import error_body as anthropic_error
 from gateway.settings import Settings
+
+MESSAGES_PATH = "/v1/messages"  # and what is under it: errors in Anthropic's envelope
 
 
 class BodySizeLimit:
@@ -39,11 +42,11 @@ class BodySizeLimit:
             try:
                 self.keyring.tenant(Request(scope))
             except APIError as exc:
-                await send_error(send, exc)
+                await _refuse(scope, send, exc)
                 return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit_bytes:
-            await send_error(send, self._too_large())
+            await _refuse(scope, send, self._too_large())
             return
         body, more = bytearray(), True
         deadline = time.monotonic() + self.read_timeout_s
@@ -51,20 +54,36 @@ class BodySizeLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                await send_error(send, RequestTimeout(
-                    f"the request body did not arrive within {self.read_timeout_s:g} s"))
+                late = RequestTimeout(f"the request body did not arrive within {self.read_timeout_s:g} s")
+                await _refuse(scope, send, late)
                 return
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit_bytes:
-                await send_error(send, self._too_large())
+                await _refuse(scope, send, self._too_large())
                 return
         await self.app(scope, _replay(bytes(body), receive), send)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"the request body is larger than the limit of {self.limit_bytes} bytes")
+
+
+async def _refuse(scope: Scope, send: Send, error: APIError) -> None:
+    await send_error(send, error, body=envelope_for(scope["path"], error))
+
+
+def is_messages_path(path: str) -> bool:
+    """The Messages API's paths, whose errors are in Anthropic's envelope."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def envelope_for(path: str, error: APIError) -> dict[str, Any]:
+    """`error`'s body: OpenAI's envelope, or on the Messages API's paths Anthropic's."""
+    if is_messages_path(path):
+        return anthropic_error(error.message, error.status_code, error.param)
+    return error.envelope()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -12,6 +12,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.edge.limits import envelope_for
 from gateway.errors import ShuttingDown, send_error
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,6 @@ class CutOffAnswer:
             if started:
                 raise
             log.warning("request cut off by shutdown", extra={"toolkv": {"path": scope.get("path")}})
-            await send_error(send, ShuttingDown("the server shut down before this request finished (its "
-                                                "shutdown grace period ran out); retry it",
-                                                headers={"Retry-After": "1"}))
+            cut = ShuttingDown("the server shut down before this request finished (its shutdown grace period "
+                               "ran out); retry it", headers={"Retry-After": "1"})
+            await send_error(send, cut, body=envelope_for(scope.get("path", ""), cut))

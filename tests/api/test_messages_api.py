@@ -236,6 +236,15 @@ def test_x_api_key_is_accepted_as_the_key(secured):
     assert message.type == "message"
     with pytest.raises(anthropic.AuthenticationError):
         sdk(secured, "not-a-key").messages.create(model=MODEL, max_tokens=2, messages=ask("Hi"))
+    # refused before the route runs (the key is checked before the body is read): Anthropic's envelope too
+    resp = httpx.post(secured.api_url + "/messages", headers={"x-api-key": "not-a-key"}, timeout=10,
+                      json={"model": MODEL, "max_tokens": 2, "messages": ask("Hi")})
+    assert resp.status_code == 401
+    assert resp.json() == {"type": "error", "error": {"type": "authentication_error", "message": resp.json()[
+        "error"]["message"]}}
+    chat = httpx.post(secured.api_url + "/chat/completions", headers={"Authorization": "Bearer not-a-key"},
+                      json={"messages": ask("Hi")}, timeout=10)
+    assert chat.status_code == 401 and chat.json()["error"]["type"] == "invalid_request_error"  # OpenAI's
 
 
 # ---- the scripted model: text and tool calls it is told to write --------------------------------
