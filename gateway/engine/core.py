@@ -55,7 +55,7 @@ from gateway.engine.sampling import (
     greedy_picks,
     on_host,
 )
-from gateway.engine.scheduler import ROW_COST_TOKENS, Scheduler, StepPlan
+from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
 from gateway.engine.warmup import warm_up
@@ -85,7 +85,7 @@ class Engine:
         self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
-        self.scheduler = Scheduler(chunk_tokens, row_cost=ROW_COST_TOKENS if batch_invariant else 0)
+        self.scheduler = Scheduler(chunk_tokens, batch_invariant)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=chunk_tokens,
                                     min_prefix_tokens=min_prefix_tokens, turn_opening=turn_opening,
                                     conversation_reuse=conversation_reuse, pool_only=self.runner.reads_pool_only)

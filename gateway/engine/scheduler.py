@@ -11,10 +11,9 @@ gives every tenant the same quantum: the cost of what the tenant with the least 
 alone, so that one runs as if alone and a step costs about `tenants` times as much; a tenant with
 more work takes its items (least recently run first) while its credit lasts and carries the rest
 of its credit to the next step, so its larger items (a long chunk) still come. Costs are in prompt
-tokens: a chunk its tokens, a decode row one, and with `row_cost` (batch-invariant linears: each
-row and chunk is its own product that reads every weight, see model_runner.py) that much more per
-row or chunk. Without it the decode rows share one product: they all go in every step, uncharged,
-and only the prefill is shared.
+tokens (`cost`). Without batch invariance every token of a step is in one product: a chunk costs
+its tokens, and decode rows so little that all go in every step, uncharged; only the prefill is
+shared.
 """
 
 from __future__ import annotations
@@ -24,9 +23,12 @@ from dataclasses import dataclass, field
 
 from gateway.engine.sequence import Phase, Sequence
 
-# What a row or chunk costs beyond its tokens when each has its own product (batch-invariant on a
-# CPU): a decode row of the default model took about as long as 16 more tokens of a chunk.
-ROW_COST_TOKENS = 16
+# With batch-invariant linears (model_runner.py) a prompt chunk is a matrix product and a fused
+# attention of its own, while the decode rows share one batched matrix-vector product. Measured on
+# the CPU with the default model: a decode row added ~24 ms to a step, a chunk ~100 ms and under
+# 0.5 ms a token; so, in tokens, a row costs 48 and a chunk 200 more than its tokens.
+INVARIANT_ROW_COST = 48
+INVARIANT_CHUNK_COST = 200
 
 
 @dataclass(slots=True)
@@ -43,24 +45,26 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, chunk_tokens: int, row_cost: int = 0) -> None:
+    def __init__(self, chunk_tokens: int, batch_invariant: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
-        self.row_cost = row_cost
-        self._credit: dict[str, float] = {}  # tenant -> cost it may still spend (fair steps only)
+        self.rows_shared = batch_invariant  # decode rows are shared out between tenants too
+        self.row_cost = INVARIANT_ROW_COST if batch_invariant else 0
+        self.chunk_cost = INVARIANT_CHUNK_COST if batch_invariant else 0
+        self._credit: dict[str, int] = {}  # tenant -> cost it may still spend (fair steps only)
         self._steps = 0
 
     def plan(self, running: list[Sequence]) -> StepPlan:
         self._steps += 1
         tenants: dict[str, list[Sequence]] = defaultdict(list)
         for seq in running:
-            if self.row_cost or seq.phase is not Phase.DECODE:  # what the fair share counts
+            if self.rows_shared or seq.phase is not Phase.DECODE:  # what the fair share counts
                 tenants[seq.job.tenant].append(seq)
         if len(tenants) < 2:
             self._credit.clear()
             plan = self._alone(running)
         else:
             plan = self._shared(tenants)
-            if not self.row_cost:
+            if not self.rows_shared:
                 plan.decode = [s for s in running if s.phase is Phase.DECODE]
         for seq in (*plan.decode, *(seq for seq, _, _ in plan.prefill)):
             seq.last_step = self._steps
@@ -86,12 +90,12 @@ class Scheduler:
             del self._credit[gone]
         quantum = min(self._cost(self._alone(seqs)) for seqs in tenants.values())
         for tenant in tenants:
-            self._credit[tenant] = self._credit.get(tenant, 0.0) + quantum
+            self._credit[tenant] = self._credit.get(tenant, 0) + quantum
         plan = StepPlan()
         owed = sorted(tenants, key=lambda t: -self._credit[t])
         for tenant in owed:
             if self._take(plan, tenants[tenant], tenant):
-                self._credit[tenant] = 0.0  # nothing left waiting: no credit is banked
+                self._credit[tenant] = 0  # nothing left waiting: no credit is banked
         if not plan:  # no tenant's next item fits its credit yet: the one owed most runs it on credit
             self._take(plan, tenants[owed[0]], owed[0], debt=True)
         return plan
@@ -102,12 +106,12 @@ class Scheduler:
         budget = self.chunk_tokens - sum(end - start for _, start, end in plan.prefill)
         for seq in sorted(seqs, key=_turn):
             if seq.phase is Phase.DECODE:
-                cost = 1 + self.row_cost
+                cost = self.row_cost
             else:
                 start, end = seq.next_chunk()
                 if plan.prefill and end - start > budget:
                     return False
-                cost = end - start + self.row_cost
+                cost = self.chunk_cost + end - start
             if cost > self._credit[tenant] and not (debt and not plan):
                 return False
             self._credit[tenant] -= cost
@@ -118,8 +122,10 @@ class Scheduler:
                 budget -= end - start
         return True
 
-    def _cost(self, plan: StepPlan) -> float:
-        return plan.num_tokens + (len(plan.decode) + len(plan.prefill)) * self.row_cost
+    def _cost(self, plan: StepPlan) -> int:
+        """What `plan` costs, in prompt tokens: a chunk its tokens and `chunk_cost`, a row `row_cost`."""
+        chunks = sum(self.chunk_cost + end - start for _, start, end in plan.prefill)
+        return chunks + len(plan.decode) * self.row_cost
 
 
 def _turn(seq: Sequence) -> tuple[int, bool, int]:
