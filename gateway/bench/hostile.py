@@ -2,8 +2,10 @@
 alone, then again while key A sends a concurrent hostile mix (bodies near the size limit, nesting
 past the depth limit, multi-MB tool-call arguments, many distinct large `response_format` schemas,
 malformed JSON, streams dropped mid-way). It measures B's latency under attack against alone, the
-server's RSS (its /metrics) at the start and the end, and the status of every hostile request: a
-5xx (or a dropped connection the bench did not drop itself) is a failure.
+server's RSS (its /metrics) when key A starts and at the end (and at the scenario's start: B's
+first group and the first requests' one-time allocations are no growth A caused), and the status
+of every hostile request: a 5xx (or a dropped connection the bench did not drop itself) is a
+failure.
 
 Key A is $HOSTILE_SOAK_KEY; with `--spawn` the bench starts the server with both keys
 (`spawn_env`). Against a running server without that variable, A sends with B's key (noted).
@@ -35,7 +37,7 @@ DEEP_NESTING = 2_000  # far past the document depth limit
 TOOL_ARGS_BYTES = 2 * 1024**2
 SCHEMA_PROPERTIES = 400  # ~20 KB per response_format schema, each one distinct
 TARGET_B_RATIO = 2.0  # B's p50 latency under attack / alone
-TARGET_RSS_GROWTH = 0.25  # RSS from the start to the end grows by at most this share
+TARGET_RSS_GROWTH = 0.25  # RSS from key A's start to the end grows by at most this share
 
 
 def spawn_env(api_key: str | None) -> tuple[str, dict[str, str]]:
@@ -135,9 +137,10 @@ async def run_hostile_soak(ctx: Context) -> ScenarioResult:
         result.notes.append(f"{HOSTILE_KEY_ENV} unset: the hostile traffic used key B's key")
         key = ctx.client.api_key
     n = b_requests(ctx.plan)
-    rss_start = await ctx.client.resident_mb()
+    rss_fresh = await ctx.client.resident_mb()
     alone: list[Sample] = []
     await _b_phase(ctx, "alone", n, alone)
+    rss_start = await ctx.client.resident_mb()
     statuses: dict[str, Counter[str]] = {}
     stop = asyncio.Event()
     attack = asyncio.create_task(_attack(ctx, key, stop, statuses))
@@ -151,6 +154,7 @@ async def run_hostile_soak(ctx: Context) -> ScenarioResult:
     rss_end = await ctx.client.resident_mb()
     result.samples = alone + attacked
     result.details = hostile_details(alone, attacked, rss_start, rss_end, statuses)
+    result.details["rss_fresh_mb"] = rss_fresh
     return result
 
 
@@ -196,7 +200,8 @@ def hostile_lines(h: dict[str, Any]) -> list[str]:
         f"(TTFT p50 {n(a['ttft_p50'])}); under attack: p50 {n(b['p50'])} / p95 {n(b['p95'])} ms "
         f"(TTFT p50 {n(b['ttft_p50'])}); ratio p50 {n(h['b_ratio_p50'])}x, p95 {n(h['b_ratio_p95'])}x; "
         f"B errors {h['b_errors']}",
-        f"hostile-soak: server RSS start {n(h['rss_start_mb'])} MB, end {n(h['rss_end_mb'])} MB, growth "
+        f"hostile-soak: server RSS start {n(h['rss_start_mb'])} MB (when key A started; "
+        f"{n(h.get('rss_fresh_mb'))} MB before key B's first request), end {n(h['rss_end_mb'])} MB, growth "
         f"{n(h['rss_growth_mb'])} MB; {h['hostile_requests']} hostile requests, {h['hostile_failures']} 5xx or "
         f"dropped by the server: {codes}",
     ]
