@@ -21,7 +21,7 @@ from gateway.bench.client import Sample
 from gateway.bench.stats import percentile
 
 NEW_TOKENS_FROM = "prompt_delta"  # what `new_tokens` means in the report: prompt_k - prompt_k-1
-# From issue 16: from a conversation's second turn on, a turn computes its new messages within one
+# The agent target: from a conversation's second turn on, a turn computes its new messages within one
 # KV block (16 tokens).
 TARGET_EXTRA_TOKENS = 16
 
@@ -65,7 +65,7 @@ def _round(value: float | None) -> float | None:
 
 
 def agent_target(scenario: dict[str, Any]) -> bool | None:
-    """Issue 16: every turn after a conversation's first computes its new messages within one block."""
+    """The agent target: every turn after a conversation's first computes its new messages within one block."""
     extra = scenario.get("summary", {}).get("computed_minus_new_max") if not scenario.get("skipped") else None
     return None if extra is None else extra <= TARGET_EXTRA_TOKENS
 

@@ -1,4 +1,4 @@
-"""The fleet scenario (issue 15; runs only when named): toolkv on N replicas behind one ingress
+"""The fleet scenario (runs only when named): toolkv on N replicas behind one ingress
 (`toolkv serve --replicas N`), measured from outside: hits and TTFT from the ingress's answers,
 where each request went from the growth of its `toolkv_upstream_routed_total{upstream,route}`, and
 where a group compiled from the growth of the replicas' `toolkv_cache_lookups_total{result="miss",

@@ -1,7 +1,7 @@
 """The fleet scenario's numbers: for the interleaved part and the round-robin baseline, the hit
 rate after each group's first request and the compiles per group and per replica; for the hot
-group and the balanced case, requests per replica and hit TTFT, and their ratio; the targets
-(issue 15), the table and the summary lines."""
+group and the balanced case, requests per replica and hit TTFT, and their ratio; the targets,
+the table and the summary lines."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _measured(samples: list[Sample]) -> dict[str, Any]:
 
 
 def fleet_targets(f: dict[str, Any]) -> dict[str, bool | None]:
-    """Issue 15's targets where the run measured them (None: not measured)."""
+    """The fleet targets where the run measured them (None: not measured)."""
     if not f or f.get("skipped"):
         return dict.fromkeys(("fleet_hits_after_first", "fleet_first_compile_on_one_replica", "fleet_hot_spreads",
                               "fleet_hot_p95_within_2x_balanced"))

@@ -1,4 +1,4 @@
-"""The hostile-soak scenario (issue 25): key B (normal) sends small chat requests on a tool group
+"""The hostile-soak scenario: key B (normal) sends small chat requests on a tool group
 alone, then again while key A sends a concurrent hostile mix (bodies near the size limit, nesting
 past the depth limit, multi-MB tool-call arguments, many distinct large `response_format` schemas,
 malformed JSON, streams dropped mid-way). It measures B's latency under attack against alone, the
@@ -180,7 +180,7 @@ def hostile_details(alone: list[Sample], attacked: list[Sample], rss_start: floa
 
 
 def hostile_targets(h: dict[str, Any]) -> dict[str, bool | None]:
-    """Issue 25's targets, only when the scenario ran (it runs only when named)."""
+    """The soak's targets, only when the scenario ran (it runs only when named)."""
     if not h or h.get("skipped"):
         return {}
     ratio, growth, start = h.get("b_ratio_p50"), h.get("rss_growth_mb"), h.get("rss_start_mb")

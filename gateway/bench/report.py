@@ -38,12 +38,12 @@ from gateway.bench.stats import decode_s_per_token, ms_spread, num, output_token
 
 CLASSES = ("miss", "hit", "bypass")
 REPORT_VERSION = 1
-# From issue 7, for the default model and a 20-tool group.
+# The single scenario's targets, for the default model and a 20-tool group.
 TARGET_SPEEDUP = 15.0
 TARGET_OVERHEAD_MS = 20.0
 TARGET_RESTART_SPEEDUP = 10.0
 TARGET_FIRST_OVER_LATER = 2.0  # a spawned server's first request (a miss) over a later miss of its size
-# From issue 13 (concurrency), one group: 4 clients' output tokens/s over 1 client's, their hit
+# The concurrency targets, one group: 4 clients' output tokens/s over 1 client's, their hit
 # TTFT p50 over 1 client's, and a hit's TTFT p50 while another group compiles over alone.
 TARGET_TOKENS_SCALING_4 = 2.5
 TARGET_TTFT_RATIO_4 = 2.0
