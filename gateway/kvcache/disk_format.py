@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ class Header:
     compile_s: float
     layers: tuple[dict[str, Any], ...]  # dtype, keys_shape, values_shape, cumulative_length
     sha256: str
+
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of the keys and values the file holds: what the entry takes in RAM, the same
+        whichever tier it is read from (the file adds its header)."""
+        return sum(math.prod(layer[shape]) * torch.empty((), dtype=getattr(torch, layer["dtype"])).element_size()
+                   for layer in self.layers for shape in ("keys_shape", "values_shape"))
 
     @property
     def tensor_names(self) -> list[str]:

@@ -73,10 +73,11 @@ class DiskRecord:
     group_id: str
     tool_names: tuple[str, ...]
     num_tokens: int
-    num_bytes: int
+    num_bytes: int  # the file's size
     created_at: float
     last_used_at: float
     identity: dict[str, str]  # the model, tokenizer and adapter that wrote it
+    kv_bytes: int  # its keys and values: the entry's bytes in RAM (the file adds its header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +292,8 @@ class DiskTier:
         finally:
             os.close(fd)
         return DiskRecord(stat.digest, header.group_id, header.tool_names, len(header.token_ids),
-                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity)
+                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity,
+                          header.kv_bytes)
 
     def _is_ours(self, record: DiskRecord) -> bool:
         return self.identity is None or record.identity == identity_fields(self.identity)

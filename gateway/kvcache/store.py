@@ -46,7 +46,7 @@ class EntryInfo:
     group_id: str
     tool_names: tuple[str, ...]
     num_tokens: int
-    num_bytes: int
+    num_bytes: int  # its keys' and values' bytes: the same in every tier (a file adds its header)
     tiers: tuple[Tier, ...]  # fastest first
     hits: int
     created_at: float
@@ -351,7 +351,7 @@ def _ram_info(entry: CacheEntry) -> EntryInfo:
 
 def _disk_info(record: DiskRecord) -> EntryInfo:
     return EntryInfo(record.digest, record.group_id, record.tool_names, record.num_tokens,
-                     record.num_bytes, ("disk",), 0, record.created_at, record.last_used_at)
+                     record.kv_bytes, ("disk",), 0, record.created_at, record.last_used_at)
 
 
 def _with_disk(info: EntryInfo) -> EntryInfo:

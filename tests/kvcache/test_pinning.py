@@ -119,6 +119,27 @@ def test_a_store_lists_pins_and_forgets_them_with_their_entries(tmp_path: Path) 
         store.close()
 
 
+def test_an_entry_counts_the_same_bytes_pinned_from_ram_or_from_disk(tmp_path: Path) -> None:
+    """Replicas sharing a cache dir pin through one pin file: the one holding the group only on disk
+    must count what the one holding it in RAM counts, or the pinned total depends on who came first."""
+    entry = make_entry(list(range(16)))
+    writer = PrefixStore(RamTier(1 << 30), disk(tmp_path))
+    reader = PrefixStore(RamTier(1 << 30), disk(tmp_path))  # another replica: the entry is only on its disk
+    try:
+        writer.insert(entry)
+        assert writer.flush(30)
+        on_disk = reader.find(entry.key.digest)
+        assert on_disk is not None and on_disk.tiers == ("disk",)
+        assert reader.disk is not None and [r.num_bytes > entry.num_bytes for r in reader.disk.records()] == [True]
+        assert on_disk.num_bytes == entry.num_bytes  # its keys and values, not the file with its header
+        assert reader.pin(entry.key.digest, budget_bytes=1 << 30) is not None
+        assert writer.pin(entry.key.digest, budget_bytes=1 << 30) is not None
+        assert reader.pinned_bytes() == writer.pinned_bytes() == entry.num_bytes
+    finally:
+        writer.close()
+        reader.close()
+
+
 # ---- on a real server ----------------------------------------------------------------------------------
 
 
