@@ -37,6 +37,7 @@ DEEP_NESTING = 2_000  # far past the document depth limit
 TOOL_ARGS_BYTES = 2 * 1024**2
 SCHEMA_PROPERTIES = 400  # ~20 KB per response_format schema, each one distinct
 TARGET_B_RATIO = 2.0  # B's p50 latency under attack / alone
+RSS_READINGS = 10  # the server's RSS read after every tenth of B's requests under attack
 TARGET_RSS_GROWTH = 0.25  # RSS from key A's start to the end grows by at most this share
 
 
@@ -117,11 +118,15 @@ async def _attack(ctx: Context, key: str | None, stop: asyncio.Event, statuses: 
         await asyncio.gather(*(worker() for _ in range(HOSTILE_WORKERS)))
 
 
-async def _b_phase(ctx: Context, phase: str, n: int, samples: list[Sample]) -> None:
+async def _b_phase(ctx: Context, phase: str, n: int, samples: list[Sample],
+                   readings: list[float | None] | None = None) -> None:
+    """B's requests one after another; with `readings`, the server's RSS after every tenth of them."""
     group = ctx.workload.group("hostile-b", B_TOOLS)
     await ctx.send(NAME, group, "any", phase=phase, warmup=True)  # not timed: the group's first request
-    for _ in range(n):
+    for i in range(n):
         samples.append(await ctx.send(NAME, group, "hit", phase=phase, warmup=False))
+        if readings is not None and (i + 1) % max(1, n // RSS_READINGS) == 0:
+            readings.append(await ctx.client.resident_mb())
 
 
 def _ms(samples: list[Sample], q: float, ttft: bool = False) -> float | None:
@@ -145,9 +150,10 @@ async def run_hostile_soak(ctx: Context) -> ScenarioResult:
     stop = asyncio.Event()
     attack = asyncio.create_task(_attack(ctx, key, stop, statuses))
     attacked: list[Sample] = []
+    readings: list[float | None] = [rss_start]
     try:
         await asyncio.sleep(0.5)  # let key A's first requests land before B's
-        await _b_phase(ctx, "attack", n, attacked)
+        await _b_phase(ctx, "attack", n, attacked, readings)
     finally:
         stop.set()
         await attack
@@ -155,6 +161,7 @@ async def run_hostile_soak(ctx: Context) -> ScenarioResult:
     result.samples = alone + attacked
     result.details = hostile_details(alone, attacked, rss_start, rss_end, statuses)
     result.details["rss_fresh_mb"] = rss_fresh
+    result.details["rss_during_attack_mb"] = [*readings, rss_end]
     return result
 
 
@@ -204,4 +211,6 @@ def hostile_lines(h: dict[str, Any]) -> list[str]:
         f"{n(h.get('rss_fresh_mb'))} MB before key B's first request), end {n(h['rss_end_mb'])} MB, growth "
         f"{n(h['rss_growth_mb'])} MB; {h['hostile_requests']} hostile requests, {h['hostile_failures']} 5xx or "
         f"dropped by the server: {codes}",
+        *(["hostile-soak: server RSS (MB) from key A's start, after every tenth of B's requests, to the end: "
+           + ", ".join(n(v) for v in h["rss_during_attack_mb"])] if h.get("rss_during_attack_mb") else []),
     ]

@@ -66,5 +66,8 @@ def test_the_report_has_the_ratio_and_rss(soak):
     assert h["b_ratio_p50"] is not None and h["b_alone_ms"]["p50"] and h["b_attack_ms"]["p95"]
     assert h["rss_start_mb"] and h["rss_end_mb"] and h["rss_growth_mb"] is not None
     assert "hostile-soak: key B" in printed and "server RSS start" in printed
+    series = h["rss_during_attack_mb"]  # A's start, a reading per tenth of B's requests, the end
+    assert series[0] == h["rss_start_mb"] and series[-1] == h["rss_end_mb"] and len(series) >= 3
+    assert "after every tenth of B's requests" in printed
     assert "checks" not in report  # targets are shown only with --check
     assert set(report["targets"]) >= {"hostile_b_within_2x", "hostile_rss_bounded", "hostile_no_5xx"}

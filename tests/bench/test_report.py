@@ -92,6 +92,9 @@ def test_targets_are_unknown_when_not_measured():
                            **FLEET_UNMEASURED}
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 30.0}})["rss_flat_over_soak"] is True
     assert targets({"soak": {"rss_first_mb": 1276.0, "rss_growth_mb": 200.0}})["rss_flat_over_soak"] is False
+    quick = {"speedup": 13.1, "samples": [{"num_tools": 10}]}  # --quick: a 10-tool group's miss is cheaper
+    assert targets({"single": quick})["hit_speedup_at_least_15x"] is None
+    assert targets({"single": {**quick, "samples": [{"num_tools": 20}]}})["hit_speedup_at_least_15x"] is False
     first = "first_request_at_most_2x_a_later_miss"
     assert targets({"single": {"first_over_later_miss": 1.3, "first_after_start": True}})[first] is True
     assert targets({"single": {"first_over_later_miss": 3.1, "first_after_start": True}})[first] is False
