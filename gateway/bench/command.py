@@ -39,6 +39,7 @@ from gateway.bench.floor import (
     measure_floor,
     server_is_local,
 )
+from gateway.bench.hostile import spawn_bounds as hostile_spawn_bounds
 from gateway.bench.hostile import spawn_env as hostile_spawn_env
 from gateway.bench.html_report import write_html
 from gateway.bench.memory import read_memory
@@ -217,11 +218,14 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
 
 
 def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[str, str]:
-    """A spawned fleet for the fleet scenario: its ingress spills a group's requests to the second
-    replica once half the hot group's clients are in flight on the home."""
-    if "fleet" not in names or not args.replicas or args.replicas < 2:
-        return {}
-    return {"TOOLKV_UPSTREAM_MAX_IN_FLIGHT": str(max(1, plan.fleet_clients // 2))}
+    """Settings a spawned server gets for the scenarios named (reported in the JSON's meta): for
+    the fleet scenario, its ingress spills a group's requests to the second replica once half the
+    hot group's clients are in flight on the home; for hostile-soak, small memory bounds
+    (`hostile.spawn_bounds`)."""
+    env = hostile_spawn_bounds() if "hostile-soak" in names else {}
+    if "fleet" in names and args.replicas and args.replicas >= 2:
+        env["TOOLKV_UPSTREAM_MAX_IN_FLIGHT"] = str(max(1, plan.fleet_clients // 2))
+    return env
 
 
 def _hostile_keys(args: argparse.Namespace, names: list[str]) -> dict[str, str]:

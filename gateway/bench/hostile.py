@@ -37,6 +37,7 @@ DEEP_NESTING = 2_000  # far past the document depth limit
 TOOL_ARGS_BYTES = 2 * 1024**2
 SCHEMA_PROPERTIES = 400  # ~20 KB per response_format schema, each one distinct
 TARGET_B_RATIO = 2.0  # B's p50 latency under attack / alone
+SPAWN_BOUNDS = {"TOOLKV_RAM_BUDGET_BYTES": "256MiB", "TOOLKV_GRAMMAR_CACHE_BYTES": "32MiB"}
 RSS_READINGS = 10  # the server's RSS read after every tenth of B's requests under attack
 TARGET_RSS_GROWTH = 0.25  # RSS from key A's start to the end grows by at most this share
 
@@ -46,6 +47,15 @@ def spawn_env(api_key: str | None) -> tuple[str, dict[str, str]]:
     normal = api_key or SPAWN_NORMAL_KEY
     os.environ.setdefault(HOSTILE_KEY_ENV, SPAWN_HOSTILE_KEY)
     return normal, {"TOOLKV_API_KEYS": f"{normal},{os.environ[HOSTILE_KEY_ENV]}"}
+
+
+def spawn_bounds() -> dict[str, str]:
+    """A spawned server's memory bounds for the soak, small enough that each fills within the run
+    (unless set in the environment): the KV pool's pages become resident as blocks are first
+    written, and the grammar cache fills with key A's distinct schemas, so at the default sizes
+    (2 GiB, 256 MiB) RSS climbs toward those bounds for the whole run, by design. Filled early,
+    what is left of RSS growth is memory no bound holds."""
+    return {name: os.environ.get(name, value) for name, value in SPAWN_BOUNDS.items()}
 
 
 def planned(plan: Any) -> int:

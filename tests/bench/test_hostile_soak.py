@@ -71,3 +71,15 @@ def test_the_report_has_the_ratio_and_rss(soak):
     assert "after every tenth of B's requests" in printed
     assert "checks" not in report  # targets are shown only with --check
     assert set(report["targets"]) >= {"hostile_b_within_2x", "hostile_rss_bounded", "hostile_no_5xx"}
+
+
+def test_a_spawned_soak_server_gets_small_bounds_that_fill_within_the_run(monkeypatch):
+    """The KV pool's pages and the grammar cache fill toward their bounds for the whole run at the
+    default sizes; a spawned soak server gets small ones (reported in the meta) unless the
+    environment sets them, so the RSS growth that is left is memory no bound holds."""
+    from gateway.bench.hostile import SPAWN_BOUNDS, spawn_bounds
+
+    monkeypatch.delenv("TOOLKV_RAM_BUDGET_BYTES", raising=False)
+    monkeypatch.setenv("TOOLKV_GRAMMAR_CACHE_BYTES", "64MiB")
+    assert spawn_bounds() == {"TOOLKV_RAM_BUDGET_BYTES": SPAWN_BOUNDS["TOOLKV_RAM_BUDGET_BYTES"],
+                              "TOOLKV_GRAMMAR_CACHE_BYTES": "64MiB"}
