@@ -56,9 +56,20 @@ class Header:
     @property
     def kv_bytes(self) -> int:
         """The bytes of the keys and values the file holds: what the entry takes in RAM, the same
-        whichever tier it is read from (the file adds its header)."""
-        return sum(math.prod(layer[shape]) * torch.empty((), dtype=getattr(torch, layer["dtype"])).element_size()
-                   for layer in self.layers for shape in ("keys_shape", "values_shape"))
+        whichever tier it is read from (the file adds its header).
+        Raises ValueError/KeyError/TypeError on a malformed layer (the header is read before it
+        is verified)."""
+        total = 0
+        for layer in self.layers:
+            dtype = getattr(torch, str(layer["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {layer['dtype']!r}")
+            for shape in (layer["keys_shape"], layer["values_shape"]):
+                dims = [int(d) for d in shape]
+                if any(d < 0 for d in dims):
+                    raise ValueError(f"negative shape {dims}")
+                total += math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+        return total
 
     @property
     def tensor_names(self) -> list[str]:

@@ -287,13 +287,13 @@ class DiskTier:
             return None
         try:
             header = Header.from_metadata(read_metadata(fd, st.st_size))
+            kv_bytes = header.kv_bytes
         except (OSError, CacheFault, *_MALFORMED):
             return None
         finally:
             os.close(fd)
         return DiskRecord(stat.digest, header.group_id, header.tool_names, len(header.token_ids),
-                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity,
-                          header.kv_bytes)
+                          stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity, kv_bytes)
 
     def _is_ours(self, record: DiskRecord) -> bool:
         return self.identity is None or record.identity == identity_fields(self.identity)

@@ -199,3 +199,31 @@ def test_fuzzed_special_and_junk_files_are_misses_never_errors_or_freezes(tmp_pa
                          capture_output=True, timeout=300, env={**os.environ, "HYPOTHESIS_NO_PLUGINS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("layer", [{"dtype": "nn", "keys_shape": [1], "values_shape": [1]},
+                                   {"dtype": "float32", "keys_shape": ["9" * 5000], "values_shape": [1]},
+                                   {"dtype": "float32", "keys_shape": [-4], "values_shape": [1]}, "float32"])
+def test_an_entry_whose_header_names_impossible_layers_is_left_out_of_the_listing(tmp_path: Path, layer) -> None:
+    """A listing reads headers before verifying them: one whose layers have no size (an unknown
+    dtype, a shape that is no number) is skipped like any unreadable file, never a failed listing."""
+    from gateway.kvcache.disk_format import encode
+    from gateway.kvcache.entry_file import write_entry
+    from tests.kvcache.entries import IDENTITY
+
+    tier = disk(tmp_path)
+    good, bad = make_entry(list(range(16))), make_entry(list(range(100, 116)), seed=1)
+    tier.save(good)
+    tensors, metadata = encode(bad, IDENTITY)
+    metadata = {k: (json.dumps([layer]) if k.endswith("layers") else v) for k, v in metadata.items()}
+    fd = create_locked(tier.path_for(bad.key.digest))
+    try:
+        write_entry(fd, tensors, metadata)
+    finally:
+        os.close(fd)
+    store = PrefixStore(RamTier(1 << 30), tier)
+    try:
+        assert [r.digest for r in tier.records()] == [good.key.digest]
+        assert [(i.digest, i.num_bytes) for i in store.entries()] == [(good.key.digest, good.num_bytes)]
+    finally:
+        store.close()
