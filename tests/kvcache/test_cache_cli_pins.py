@@ -5,8 +5,6 @@ and a server on the same cache dir finds the group pinned."""
 from __future__ import annotations
 
 import json
-import logging
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 
 from gateway.settings import format_size, load_settings
 from tests.kvcache.test_pinning import GROUPS, _tools
+from tests.support.cache_cli import cache_cli
 from tests.support.server import serve
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -24,25 +23,7 @@ Cli = Callable[..., tuple[int, str, str]]
 def cli(tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> Iterator[Cli]:
     """`toolkv cache ...` through the real CLI entry point, in this process."""
-    from gateway.cli.main import main
-
-    for name in [n for n in os.environ if n.startswith("TOOLKV_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("TOOLKV_MODEL", str(tiny_model_dir("llama")))
-    monkeypatch.setenv("TOOLKV_MIN_PREFIX_TOKENS", "8")
-    monkeypatch.setenv("TOOLKV_PINNED_BUDGET_BYTES", "512MiB")
-    root = logging.getLogger()
-    saved_handlers, saved_level = list(root.handlers), root.level
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(["cache", *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    root.handlers[:] = saved_handlers  # `warm` configures logging for the whole process
-    root.setLevel(saved_level)
+    yield from cache_cli(tiny_model_dir("llama"), monkeypatch, capsys, TOOLKV_PINNED_BUDGET_BYTES="512MiB")
 
 
 def write_group(tmp_path: Path, group: int, **extra: object) -> str:

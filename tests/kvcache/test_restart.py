@@ -5,7 +5,6 @@ works on the dir without a server, and a server process then hits what it warmed
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from gateway.kvcache.disk_tier import DiskTier
+from tests.support.cache_cli import cache_cli
 from tests.support.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,24 +199,7 @@ def test_damaged_files_after_a_restart_are_recomputed_and_counted(first_run: Fir
 def cli(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[int, str, str]]]:
     """`toolkv cache ...` through the real CLI entry point, in this process (no server)."""
-    from gateway.cli.main import main
-
-    for name in [n for n in os.environ if n.startswith("TOOLKV_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("TOOLKV_MODEL", str(model_dir))
-    monkeypatch.setenv("TOOLKV_MIN_PREFIX_TOKENS", "8")
-    root = logging.getLogger()
-    saved_handlers, saved_level = list(root.handlers), root.level
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(["cache", *args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    root.handlers[:] = saved_handlers  # `warm` configures logging for the whole process
-    root.setLevel(saved_level)
+    yield from cache_cli(model_dir, monkeypatch, capsys)
 
 
 def test_cli_warms_lists_and_removes_entries_without_a_server(

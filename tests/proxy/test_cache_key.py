@@ -26,12 +26,12 @@ def home_of_key(upstreams: list[Running], key: str, salt: str = "") -> Running:
     return next(u for u in upstreams if u.base_url == ranked[0])
 
 
-def systems_on_both(upstreams: list[Running]) -> dict[str, str]:
-    """A system prompt whose group lives on each upstream (by base url)."""
+def systems_on_both(upstreams: list[Running], tools: list[dict[str, Any]] = TOOLS) -> dict[str, str]:
+    """A system prompt whose group (with `tools`) lives on each upstream (by base url)."""
     found: dict[str, str] = {}
     for n in range(64):
         system = f"You are the assistant of shop {n}."
-        found.setdefault(home_of(upstreams, system, TOOLS).base_url, system)
+        found.setdefault(home_of(upstreams, system, tools).base_url, system)
     assert len(found) == len(upstreams)
     return found
 

@@ -26,7 +26,7 @@ from tests.proxy.conftest import (
     tools_of,
 )
 from tests.proxy.fake_upstream import Arrivals
-from tests.proxy.test_cache_key import home_of_key, served
+from tests.proxy.test_cache_key import home_of_key, served, systems_on_both
 
 TOOLS = tools_of([("orders", 14), ("refunds", 6)])
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
@@ -37,16 +37,6 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
 def proxied(toolkv_upstreams: list[Running]) -> Iterator[Running]:
     with proxy(toolkv_upstreams, max_tools=4) as live:
         yield live
-
-
-def systems_on_both(upstreams: list[Running]) -> dict[str, str]:
-    """A system prompt whose group (with TOOLS) lives on each upstream (by base url)."""
-    found: dict[str, str] = {}
-    for n in range(64):
-        system = f"You are the assistant of shop {n}."
-        found.setdefault(home_of(upstreams, system, TOOLS).base_url, system)
-    assert len(found) == len(upstreams)
-    return found
 
 
 def sdk(live: Running, key: str = "unused") -> anthropic.Anthropic:
@@ -87,7 +77,7 @@ def test_a_messages_group_goes_home_and_hits_there_whole_and_streamed(proxied, t
 
 
 def test_the_equivalent_chat_request_goes_to_the_same_upstream_and_shares_the_prefix(proxied, toolkv_upstreams):
-    for home, system in systems_on_both(toolkv_upstreams).items():  # a group homed on each upstream
+    for home, system in systems_on_both(toolkv_upstreams, TOOLS).items():  # a group homed on each upstream
         written = ask(sdk(proxied), system, "Hi").usage.cache_creation_input_tokens
         chat: list[Any] = []
 
@@ -102,7 +92,7 @@ def test_the_equivalent_chat_request_goes_to_the_same_upstream_and_shares_the_pr
 def test_a_prompt_cache_key_routes_a_messages_request_as_it_routes_chat(proxied, toolkv_upstreams):
     key = "conversation-7"
     home = home_of_key(toolkv_upstreams, key).base_url
-    for system in systems_on_both(toolkv_upstreams).values():
+    for system in systems_on_both(toolkv_upstreams, TOOLS).values():
         send = lambda: ask(sdk(proxied), system, "Hi", extra_body={"prompt_cache_key": key})  # noqa: B023, E731
         assert served(proxied, toolkv_upstreams, send) == [home]
 
