@@ -126,6 +126,9 @@ class Settings(BaseSettings):
                                                            "with it, bitwise (default: on for the CPU, off on a GPU, "
                                                            "where it costs one matrix product per sequence)")
     cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (triton backend)")
+    fused_layers: bool = Field(True, description="run each decoder layer of a Llama, Mistral, Qwen2 or Qwen3 model "
+                                                 "as fused products and norms (q/k/v and gate/up as one product "
+                                                 "each): fewer, larger kernels; same numbers up to float rounding")
     kv_block_tokens: Annotated[int, Cli("--kv-block-tokens", "--block-size")] = Field(
         16, ge=1, description="tokens per block of the KV pool")
     max_stored_responses: int = Field(1024, ge=0, description="Responses API: responses kept per API key for "

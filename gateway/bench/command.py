@@ -353,7 +353,8 @@ def _server_settings(args: argparse.Namespace) -> dict[str, Any]:
         device = pick_device(settings.device)
         plan = engine_plan(settings, device)
         out.update(device=str(device), dtype=str(pick_dtype(settings.dtype, device)).removeprefix("torch."),
-                   backend=plan.backend + (", batch invariant" if plan.batch_invariant else ""))
+                   backend=plan.backend + (", fused layers" if plan.fused else "")
+                   + (", batch invariant" if plan.batch_invariant else ""))
     except Exception as exc:  # the report says so; the measurements stand
         out["settings_error"] = f"{type(exc).__name__}: {exc}"
     return out

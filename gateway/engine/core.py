@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from gateway.engine import fused_layers
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
 from gateway.engine.events import (
     Failed,
@@ -74,7 +75,8 @@ class Engine:
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
                  max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,
-                 backend: Backend = "torch", batch_invariant: bool = True, cuda_graphs: bool = False) -> None:
+                 backend: Backend = "torch", batch_invariant: bool = True, cuda_graphs: bool = False,
+                 fused: bool = False) -> None:
         assert info.identity is not None and info.pool_shape is not None, "the engine needs a loaded model's info"
         self.model = model
         self.tokenizer = tokenizer
@@ -83,6 +85,10 @@ class Engine:
         self.device = device
         self.max_batch = max_batch
         self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
+        if fused:  # before the runner binds the linears: the fused ones are among them
+            fused_layers.fuse(model)
+        elif fused_layers.is_fused(model):  # a model an earlier engine fused
+            fused_layers.unfuse(model)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
         self.scheduler = Scheduler(chunk_tokens, batch_invariant)

@@ -10,7 +10,7 @@ import torch
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
-from gateway.engine import Engine, attention
+from gateway.engine import Engine, attention, fused_layers
 from gateway.engine.chunks import turn_opening
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
@@ -90,7 +90,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     tokenizer = loaded.tokenizer
     family = (get_family(settings.adapter) if settings.adapter != "auto" else
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
-    plan = engine_plan(settings, loaded.device)
+    plan = engine_plan(settings, loaded.device, loaded.model)
     # The chunk size and the kernels decide a group's KV bits (see gateway/engine/model_runner.py).
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
                              f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
@@ -103,7 +103,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
                     max_batch=plan.max_batch, turn_opening=opening,
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
-                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs)
+                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs, fused=plan.fused)
     context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
@@ -131,14 +131,17 @@ class EnginePlan:
     batch_invariant: bool
     chunk_tokens: int
     max_batch: int
+    fused: bool = False
 
     @property
     def kernels(self) -> str:
         """What decides the KV bits besides the model and the chunks, for the cache key."""
-        return f"{self.backend}{'-invariant' if self.batch_invariant else ''}"
+        return f"{self.backend}{'-fused' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}"
 
 
-def engine_plan(settings: Settings, device: torch.device) -> EnginePlan:
+def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> EnginePlan:
+    """`model`: the loaded model, which decides whether its layers can be fused (None: whether the
+    settings ask for it)."""
     gpu = device.type == "cuda"
     backend: Backend = "torch"
     if settings.attention_backend == "triton" or (settings.attention_backend == "auto" and gpu):
@@ -147,8 +150,9 @@ def engine_plan(settings: Settings, device: torch.device) -> EnginePlan:
         elif settings.attention_backend == "triton":
             raise ModelLoadFailed("attention_backend = triton needs CUDA and Triton (pip install triton)")
     invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
+    fused = settings.fused_layers and (model is None or fused_layers.supports(model))
     return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
-                      settings.max_batch or (64 if gpu else 8))
+                      settings.max_batch or (64 if gpu else 8), fused)
 
 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:

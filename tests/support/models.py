@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -28,8 +28,10 @@ def save_tokenizer(target: Path) -> Path:
 
 def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0, context: int = 4096) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
-    extra = {"sliding_window": None} if arch == "mistral" else {}
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[arch]
+    extra: dict[str, object] = {"sliding_window": None} if arch == "mistral" else {}
+    if arch == "qwen3":
+        extra["head_dim"] = _DIMS["hidden_size"] // _DIMS["num_attention_heads"]  # its default is 128
     dims = dict(_DIMS, max_position_embeddings=context)
     config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, **dims, **extra)
