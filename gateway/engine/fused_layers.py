@@ -1,9 +1,8 @@
 """Fused decoder layers for the Llama family (llama, mistral, qwen2, qwen3): fewer, larger kernels.
 
 transformers' decoder layer runs each projection as its own matrix product and RMSNorm and RoPE as
-chains of elementwise ops: about 45 kernels a layer for Llama, 60 for Qwen3 (its per-head q/k
-norms). A decode step of a 7B model on a GPU is bound by those launches more than by the weights it
-reads (docs/engine.md). `fuse` rewrites the layers of a supported model in place and keeps
+chains of elementwise ops: about 50 ops a layer for Qwen3 besides attention. A decode step of a 7B
+model on a GPU is bound by those launches more than by the weights it reads (docs/engine.md). `fuse` rewrites the layers of a supported model in place and keeps
 transformers' model around them (the embedding, the rotary tables, the final norm, the LM head):
 - q, k and v are one product (`qkv_proj`), gate and up one (`gate_up_proj`); the old modules'
   weights become views into the fused ones, so no memory is added;
@@ -11,7 +10,7 @@ transformers' model around them (the embedding, the rotary tables, the final nor
 - Qwen3's per-head q and k norms are one normalization over both and one multiply;
 - RoPE turns q and k together in three ops, `x * cos + flip(x) * sin`, with rotate_half's sign
   folded into the sine table once per forward (`flip` swaps the halves of each head).
-About 20 kernels a layer remain. The numbers differ from transformers' layers by float rounding
+About 19 ops a layer remain. The numbers differ from transformers' layers by float rounding
 only (tests/engine/test_fused_layers.py); the fusion is part of the cache key (EnginePlan.kernels),
 so KV computed one way is never served to the other. `unfuse` gives the model its own forwards
 back (the weights stay views: the same numbers).
