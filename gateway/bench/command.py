@@ -333,7 +333,8 @@ def _engine_of(version: Any) -> dict[str, Any]:
     engine = version.get("engine") if isinstance(version, dict) else None
     if not isinstance(engine, dict):
         return {}
-    backend = f"{engine.get('backend')}{', batch invariant' if engine.get('batch_invariant') else ''}"
+    backend = (f"{engine.get('backend')}{', fused layers' if engine.get('fused_layers') else ''}"
+               f"{', batch invariant' if engine.get('batch_invariant') else ''}")
     return {"device": engine.get("device"), "dtype": engine.get("dtype"), "backend": backend}
 
 

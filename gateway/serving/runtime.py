@@ -49,7 +49,7 @@ class Runtime:
         runner = self.engine.runner
         return {"device": str(self.loaded.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "backend": runner.backend, "batch_invariant": runner.batch_invariant,
-                "cuda_graphs": runner.graphs is not None}
+                "fused_layers": fused_layers.is_fused(runner.model), "cuda_graphs": runner.graphs is not None}
 
     def refresh_gauges(self) -> None:
         m = self.metrics

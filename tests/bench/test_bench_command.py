@@ -138,7 +138,8 @@ def test_html_report_beside_the_plots_names_the_settings(report):
     assert data["settings"]["toolkv_version"] and data["settings"]["server_version"]
     # a server the bench did not start says what it runs on in /version
     settings = data["settings"]
-    assert (settings["device"], settings["dtype"], settings["backend"]) == ("cpu", "float32", "torch, batch invariant")
+    assert (settings["device"], settings["dtype"], settings["backend"]) == ("cpu", "float32",
+                                                                         "torch, fused layers, batch invariant")
     for text in ("tiny-llama", "device", "attention backend", "toolkv version", data["finished_at"], "<table"):
         assert text in page, text
     plots = sorted(path.name for path in out.glob("*.png"))
