@@ -19,7 +19,7 @@ from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import load_settings
 from tests.engine.conftest import Run, generate
 
-ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "mistral-window"]
 _VIEWS = {"alias", "slice", "select", "view", "transpose", "unsqueeze", "reshape", "unflatten", "flatten", "chunk",
           "split", "t", "expand", "detach", "to"}  # no kernel of their own (`to`: here a same-dtype no-op)
 

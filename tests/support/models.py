@@ -28,8 +28,11 @@ def save_tokenizer(target: Path) -> Path:
 
 def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0, context: int = 4096) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[arch]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "mistral-window": MistralConfig,
+                  "qwen3": Qwen3Config}[arch]
     extra: dict[str, object] = {"sliding_window": None} if arch == "mistral" else {}
+    if arch == "mistral-window":  # each token sees only the 24 before it
+        extra["sliding_window"] = 24
     if arch == "qwen3":
         extra["head_dim"] = _DIMS["hidden_size"] // _DIMS["num_attention_heads"]  # its default is 128
     dims = dict(_DIMS, max_position_embeddings=context)
