@@ -11,7 +11,9 @@ The step loop (`_run`), in order:
    prompt chunks within the step's token budget, a fair share for each tenant (scheduler.py,
    model_runner.py);
 5. sample (the plain greedy rows in one batched argmax on the device, the others per sequence),
-   emit text, and finish sequences that are done.
+   emit text, and finish sequences that are done. A step of every running sequence's decode row,
+   all plain greedy, may instead start a run of steps each launched before the last one is read
+   (`decode_overlap`, `_decode_ahead`).
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
 sequences' steps) and stores them, starting from the longest prefix it shares with a cached group
@@ -32,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -76,7 +79,7 @@ class Engine:
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
                  max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,
                  backend: Backend = "torch", batch_invariant: bool = True, cuda_graphs: bool = False,
-                 fused: bool = False) -> None:
+                 fused: bool = False, overlap: bool = False) -> None:
         assert info.identity is not None and info.pool_shape is not None, "the engine needs a loaded model's info"
         self.model = model
         self.tokenizer = tokenizer
@@ -91,6 +94,8 @@ class Engine:
             fused_layers.unfuse(model)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
+        self.overlap = overlap  # decode steps launched one ahead (_decode_ahead)
+        self.ahead_steps = 0  # decode steps launched before the one before them was read
         self.scheduler = Scheduler(chunk_tokens, batch_invariant)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=chunk_tokens,
                                     min_prefix_tokens=min_prefix_tokens, turn_opening=turn_opening,
@@ -218,6 +223,10 @@ class Engine:
         """One forward over the decode rows (first: the batch-invariant split wants them there) and
         the prompt chunks; chunks are handled first, so a new request's first token waits for no
         sampling of the others."""
+        if (self.overlap and not plan.prefill and len(plan.decode) == len(self._running)
+                and all(seq.sampler.plain for seq in plan.decode)):
+            self._decode_ahead(plan.decode)
+            return
         started = time.perf_counter()
         seqs = [*plan.decode, *(seq for seq, _, _ in plan.prefill)]
         tokens = [[seq.next_token] for seq in plan.decode] + [seq.prompt[a:b] for seq, a, b in plan.prefill]
@@ -245,6 +254,65 @@ class Engine:
         self.num_steps += 1
         self._steps.add(StepRecord(len(plan.decode) + len(plan.prefill), plan.num_tokens,
                                    time.perf_counter() - started))
+
+    def _decode_ahead(self, seqs: list[Sequence]) -> None:
+        """Decode steps of plain greedy rows back to back, each launched before the tokens of the
+        one before it are read: its token ids are that step's argmax, copied on the device, so the
+        host's reading, detokenizing and streaming overlap the next forward (on CUDA, where a
+        launch returns at once). Same inputs, same kernels: the tokens are those of `_step`.
+
+        The run starts from a step of every running sequence (`_step` checks), and a step is
+        launched ahead only while nothing else waits (no job, task or stop in the intake, no client
+        gone) and no row reaches `max_tokens` with the token being read; so the run ends within
+        one step of any of these, and `_run` takes over. A row that stops on the
+        token being read (end of sequence, a stop string, non-finite logits) has one step computed
+        past its end: its KV goes to the next slot of its own run (reserved for `max_tokens`),
+        which nothing reads, and its logits are dropped."""
+        flight: _Flight | None = self._launch(seqs, None)
+        last_read = time.perf_counter()
+        while flight is not None:
+            running = {id(seq) for seq in self._running}
+            alive = [i for i, seq in enumerate(flight.seqs) if id(seq) in running]
+            ahead = None
+            if self._may_run_ahead([flight.seqs[i] for i in alive]):
+                ahead = self._launch([flight.seqs[i] for i in alive], flight, alive)
+                self.ahead_steps += 1
+            picks = flight.read()
+            for i in alive:
+                seq, (token, finite) = flight.seqs[i], picks[i]
+                try:
+                    if not finite:
+                        raise NonFiniteLogits("the model produced non-finite logits")
+                    self._take(seq, token)
+                except Exception as exc:  # this row only, as in _decode
+                    self._fail(seq, exc)
+            now = time.perf_counter()
+            self.decode_s += now - last_read
+            self.decode_steps += 1
+            self.num_steps += 1
+            self._steps.add(StepRecord(len(alive), len(alive), now - last_read))
+            last_read = now
+            flight = ahead
+
+    def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
+        return bool(seqs) and self._intake.depth == 0 and all(
+            not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
+
+    def _launch(self, seqs: list[Sequence], after: _Flight | None, rows: list[int] | None = None) -> _Flight:
+        """One decode step of `seqs`: their next tokens from the host, or (`after`) the argmax of
+        the step `after` at its `rows`, one token past what the host has read."""
+        if after is None:
+            tokens, ids = [[seq.next_token] for seq in seqs], None
+        else:
+            assert rows is not None
+            tokens = [[0]] * len(seqs)
+            ids = after.best
+            if len(rows) < len(after.seqs):  # rows that ended on the step being read are left out
+                index = torch.tensor(rows, pin_memory=ids.is_cuda)  # pinned: no wait for the step in flight
+                ids = ids[index.to(ids.device, non_blocking=True)]
+        rows_kv = [seq.row(1, ahead=int(after is not None)) for seq in seqs]
+        logits = self.runner.forward(tokens, rows_kv, ids)  # type: ignore[arg-type]
+        return _Flight.launched(seqs, logits)
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -392,3 +460,33 @@ class Engine:
 
 class _NonFinite(RuntimeError):
     pass
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A decode step launched and not read yet: its rows' argmax on the device (`best`), and the
+    argmax and finiteness on their way to the host (`ready` fires when they are there; None: they
+    already are)."""
+
+    seqs: list[Sequence]
+    best: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def launched(cls, seqs: list[Sequence], logits: torch.Tensor) -> _Flight:
+        best = torch.argmax(logits, dim=-1)
+        picks = torch.stack([best, torch.isfinite(logits.amax(dim=-1)).long()])
+        if logits.device.type != "cuda":
+            return cls(seqs, best, picks, None)
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+        host.copy_(picks, non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        ready.record()
+        return cls(seqs, best, host, ready)
+
+    def read(self) -> list[tuple[int, int]]:
+        """Each row's token and whether its logits were finite (1/0), waiting for this step only."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return list(zip(*self.host.tolist(), strict=True))

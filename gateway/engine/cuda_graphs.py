@@ -102,17 +102,20 @@ class StepGraphs:
         into[size] = (graph, logits)
         return graph.pool() if pool is None else pool
 
-    def replay_decode(self, tokens: list[int], rows: list[RowKV]) -> torch.Tensor:
-        """Logits `[len(rows), vocab]` for one decode token per row."""
+    def replay_decode(self, tokens: list[int], rows: list[RowKV], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[len(rows), vocab]` for one decode token per row (`ids`: the tokens already on
+        the device, copied in after `tokens`' placeholders, in stream order)."""
         count = len(rows)
         size = next(s for s in self.decode_sizes if s >= count)
         pad, scratch = size - count, self.runner.pool.scratch_token
         self._inputs(tokens + [0] * pad, [row.position for row in rows] + [0] * pad,
                      [row.own.token_start + row.own_len for row in rows] + [scratch] * pad)
+        if ids is not None:
+            self._ids[0, :count].copy_(ids)
         columns = layout_columns(rows, [1] * count)
         padding = [list(range(count, size)), [1] * pad, [0] * pad, [0] * pad, [scratch] * pad, [1] * pad]
         table = torch.tensor([c + p for c, p in zip(columns, padding, strict=True)] + [list(range(size))],
-                             dtype=torch.int32)
+                             dtype=torch.int32, pin_memory=True)
         self._table[:, :size].copy_(table, non_blocking=True)
         graph, logits = self._decode[size]
         graph.replay()
@@ -127,7 +130,7 @@ class StepGraphs:
         self._inputs(tokens + [0] * pad, list(range(row.position, row.position + count)) + [0] * pad,
                      list(range(start, start + count)) + [scratch] * pad)
         self._last.fill_(count - 1)
-        table = torch.tensor([c[0] for c in layout_columns([row], [count])] + [0], dtype=torch.int32)
+        table = torch.tensor([c[0] for c in layout_columns([row], [count])] + [0], dtype=torch.int32, pin_memory=True)
         self._table[:, 0].copy_(table, non_blocking=True)
         graph, logits = self._prefill[size]
         graph.replay()
@@ -135,7 +138,9 @@ class StepGraphs:
 
     def _inputs(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
         size = len(ids)
-        host = torch.tensor([ids, positions, slots], dtype=torch.long)
+        # Pinned: a copy from pageable memory may wait for the work queued before it, and a decode
+        # step launched ahead (engine/core.py) must not wait for the step in flight.
+        host = torch.tensor([ids, positions, slots], dtype=torch.long, pin_memory=True)
         self._ids[0, :size].copy_(host[0], non_blocking=True)
         self._positions[0, :size].copy_(host[1], non_blocking=True)
         self._slots[:size].copy_(host[2], non_blocking=True)

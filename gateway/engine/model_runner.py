@@ -242,16 +242,21 @@ class ModelRunner:
         """Whether every KV a pass reads must be in the pool (the Triton kernels index it)."""
         return self.backend == "triton"
 
-    def forward(self, tokens: list[list[int]], rows: list[RowKV]) -> torch.Tensor:
+    def forward(self, tokens: list[list[int]], rows: list[RowKV], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[S, vocab]` after the last token of each row; `tokens[i]` are row i's new tokens
-        (rows of one token first, for the batch-invariant split)."""
+        (rows of one token first, for the batch-invariant split). `ids`: a decode step's token
+        ids already on the device (`[S]`, one a row), read in place of `tokens`' values."""
         sizes = [len(t) for t in tokens]
         if self.graphs is not None and all(size == 1 for size in sizes) and self.graphs.fits_decode(len(rows)):
-            return self.graphs.replay_decode([t[0] for t in tokens], rows)  # type: ignore[no-any-return]
+            return self.graphs.replay_decode([t[0] for t in tokens], rows, ids)  # type: ignore[no-any-return]
         if self.graphs is not None and len(rows) == 1 and self.graphs.fits_prefill(sizes[0]):
             return self.graphs.replay_prefill(tokens[0], rows[0])  # type: ignore[no-any-return]
         step = self._inputs(rows, sizes)
-        ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.long, device=self.device)
+        if ids is not None:
+            assert ids.shape == (len(rows),) and all(size == 1 for size in sizes), "device ids: one per decode row"
+            ids = ids[None]
+        else:
+            ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.long, device=self.device)
         positions = torch.tensor([[row.position + i for row, size in zip(rows, sizes, strict=True)
                                    for i in range(size)]], dtype=torch.long, device=self.device)
         last = torch.tensor(_last_indices(sizes), dtype=torch.long, device=self.device)

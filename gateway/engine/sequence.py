@@ -112,12 +112,13 @@ class Sequence:
         """The next prompt chunk `[start, end)`, as `ends` cuts the prompt whatever the schedule."""
         return self.computed, next_end(self.ends, self.computed)
 
-    def row(self, new_tokens: int) -> RowKV:
-        """Where this sequence's next `new_tokens` go."""
+    def row(self, new_tokens: int, ahead: int = 0) -> RowKV:
+        """Where this sequence's next `new_tokens` go (`ahead`: a decode row that many tokens past
+        the ones sampled so far, for a step launched before the last one's token is read)."""
         if self.phase is Phase.GROUP:
             assert self.group_run is not None
             return RowKV(None, self.group_run, self.computed, self.computed)
-        position = self.computed if self.phase is Phase.PROMPT else len(self.prompt) + self.generated - 1
+        position = self.computed if self.phase is Phase.PROMPT else len(self.prompt) + self.generated - 1 + ahead
         return RowKV(self.group_kv(), self.own_run, position - self.group_len, position, self.group_start)
 
     @property

@@ -49,7 +49,8 @@ class Runtime:
         runner = self.engine.runner
         return {"device": str(self.loaded.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "backend": runner.backend, "batch_invariant": runner.batch_invariant,
-                "fused_layers": fused_layers.is_fused(runner.model), "cuda_graphs": runner.graphs is not None}
+                "fused_layers": fused_layers.is_fused(runner.model), "cuda_graphs": runner.graphs is not None,
+                "decode_overlap": self.engine.overlap}
 
     def refresh_gauges(self) -> None:
         m = self.metrics
@@ -103,7 +104,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
                     max_batch=plan.max_batch, turn_opening=opening,
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
-                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs, fused=plan.fused)
+                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs, fused=plan.fused,
+                    overlap=plan.overlap)
     context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
@@ -132,6 +134,7 @@ class EnginePlan:
     chunk_tokens: int
     max_batch: int
     fused: bool = False
+    overlap: bool = False  # decode steps launched one ahead (engine/core.py `_decode_ahead`)
 
     @property
     def kernels(self) -> str:
@@ -151,8 +154,9 @@ def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> 
             raise ModelLoadFailed("attention_backend = triton needs CUDA and Triton (pip install triton)")
     invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
     fused = settings.fused_layers and (model is None or fused_layers.supports(model))
+    overlap = settings.decode_overlap if settings.decode_overlap is not None else gpu
     return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
-                      settings.max_batch or (64 if gpu else 8), fused)
+                      settings.max_batch or (64 if gpu else 8), fused, overlap)
 
 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:

@@ -1,0 +1,112 @@
+"""Decode steps launched one ahead (`decode_overlap`, engine/core.py `_decode_ahead`): the tokens
+of plain steps, requests that arrive or leave during a run of them served as before, and no KV of
+a step computed past a sequence's end ever read. On the CPU a launch is the whole step, so the
+setting is off by default there; these tests turn it on."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.engine import Finished, Prefilled, TextDelta
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.runtime import Runtime
+from tests.engine.conftest import generate, not_kept
+from tests.engine.test_batching import _run, body, run_together
+
+
+def plain(tools: list[dict[str, Any]], question: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A request whose rows are plain greedy (tool_choice none: the tools stay in the prompt, no
+    grammar), the kind the engine launches ahead."""
+    return body(tools, question, max_tokens=max_tokens, tool_choice="none", **extra)
+
+
+def requests(tools: list[dict[str, Any]], stop: str = "e") -> list[dict[str, Any]]:
+    return [plain(tools, "What was GMV last week?", 40),
+            plain(tools, "Refunds?", 7),
+            plain(tools, "List every product whose stock fell under ten units", 53),
+            plain(tools, "hi", 2),
+            plain(tools, "Top sellers?", 30, stop=[stop]),
+            plain([], "Stock of item 7?", 45),
+            body(tools, "Compare this month's orders with last month's", max_tokens=3)]  # a grammar: not plain
+
+
+def test_overlapped_steps_give_every_request_the_tokens_it_gets_without_them(runtime_for, merchant_tools):
+    """Seven requests at once (different lengths, a stop string, one without tools, one with a
+    grammar, which is never launched ahead) and each alone: token for token what the same model
+    gives with every step read before the next, and steps were launched ahead."""
+    tools = merchant_tools[:3]
+    steps, ahead = runtime_for("llama", decode_overlap=False), runtime_for("llama", decode_overlap=True)
+    free = generate(steps, plain(tools, "Top sellers?", 30)).text
+    stop = free[len(free) // 2:len(free) // 2 + 3]  # it ends mid-run, the others running on
+    expected = [generate(steps, r).finished for r in requests(tools, stop)]
+    assert expected[4].stop_sequence == stop
+    assert [generate(ahead, r).finished for r in requests(tools, stop)] == expected
+    together = run_together(ahead, [(r, False) for r in requests(tools, stop)])
+    assert [run.finished for run in together] == expected
+    assert ahead.engine.ahead_steps > 0 and steps.engine.ahead_steps == 0
+    assert not_kept(ahead) == not_kept(steps)  # the cached groups only: every sequence gave its blocks back
+
+
+def test_a_request_sent_during_overlapped_steps_starts_before_they_end(runtime_for, merchant_tools):
+    """A run of steps launched ahead yields to a new request within a step: its first token comes
+    while a long answer is still being written, and it gets the tokens it gets alone."""
+    runtime = runtime_for("llama", decode_overlap=True)
+    short = plain(merchant_tools[:3], "Refunds?", 5)
+    alone = generate(runtime, short).finished
+    order: list[str] = []
+
+    async def stream(request: dict[str, Any], label: str, started: asyncio.Event | None = None) -> Finished:
+        prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))
+        finished, deltas = None, 0
+        async for event in runtime.service.events(prepared):
+            if isinstance(event, Prefilled):
+                order.append(f"{label} first")
+            elif isinstance(event, TextDelta):
+                deltas += 1
+                if started is not None and deltas == 3:
+                    started.set()
+            elif isinstance(event, Finished):
+                order.append(f"{label} done")
+                finished = event
+        assert finished is not None
+        return finished
+
+    async def main() -> Finished:
+        started = asyncio.Event()
+        long = asyncio.create_task(stream(plain(merchant_tools[:3], "Tell me everything", 400), "long", started))
+        await started.wait()
+        finished = await stream(short, "short")
+        await long
+        return finished
+
+    assert asyncio.run(main()) == alone
+    assert order.index("short done") < order.index("long done")
+
+
+def test_a_client_gone_during_overlapped_steps_frees_its_blocks_and_leaves_no_stale_kv(runtime_for,
+                                                                                      merchant_tools):
+    """The client of a long answer goes away mid-run: its blocks come back, and the next requests,
+    which may get those blocks and the KV computed past its end in them, give their own tokens."""
+    runtime: Runtime = runtime_for("llama", decode_overlap=True)
+    tools = merchant_tools[:3]
+    expected = [generate(runtime, r).finished for r in requests(tools)]
+    held = not_kept(runtime)
+
+    async def main() -> list[Finished]:
+        prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(
+            plain(tools, "Tell me everything", 2000)))
+        events = runtime.service.events(prepared)
+        deltas = 0
+        async for event in events:
+            if isinstance(event, TextDelta):
+                deltas += 1
+                if deltas == 5:
+                    break
+        await events.aclose()  # the client goes away
+        runs = await asyncio.gather(*(_run(runtime, r) for r in requests(tools)))
+        return [run.finished for run in runs]
+
+    assert asyncio.run(main()) == expected
+    assert not_kept(runtime) == held
+    assert runtime.engine.stats().cancelled_total == 1
