@@ -293,8 +293,11 @@ class ChatService:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
-        def emit(event: EngineEvent) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(inbox.put_nowait, event)
+        def emit(event: EngineEvent) -> None:  # called on the engine thread: must never raise there
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, event)
+            except RuntimeError:  # the listener's loop is closed: nobody reads this job any more
+                self.engine.abort(prepared.job)
 
         prepared.job.emit = emit
         try:

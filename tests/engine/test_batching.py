@@ -157,3 +157,30 @@ def test_warming_a_group_does_not_stop_the_requests_running(runtime_for, merchan
     assert not warmed.done()
     assert warmed.result(timeout=300).already_cached is False
     assert warm_plan(runtime.engine, plan).result(timeout=60).already_cached is True
+
+
+def test_a_listener_whose_event_loop_closed_mid_answer_is_dropped_and_the_engine_serves_on(runtime_for,
+                                                                                          merchant_tools):
+    """A caller's event loop closes while its answer is still being written (nothing closed the
+    stream): the engine stops that job, gives its blocks back, and answers the next request."""
+    runtime = runtime_for("llama")
+    request = body(merchant_tools[:3], "hi", max_tokens=3)
+    expected = generate(runtime, request).finished
+    held = not_kept(runtime)
+
+    async def first_token() -> None:
+        prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(
+            body(merchant_tools[:3], "Tell me everything", max_tokens=2000)))
+        async for event in runtime.service.events(prepared):
+            if isinstance(event, TextDelta):
+                return  # the stream is left open, and its loop closed under it
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(first_token())
+    loop.close()
+
+    async def after() -> Run:
+        return await asyncio.wait_for(_run(runtime, request), timeout=60)
+
+    assert asyncio.run(after()).finished == expected
+    assert not_kept(runtime) == held
