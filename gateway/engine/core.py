@@ -264,20 +264,30 @@ class Engine:
         The run starts from a step of every running sequence (`_step` checks), and a step is
         launched ahead only while nothing else waits (no job, task or stop in the intake, no client
         gone) and no row reaches `max_tokens` with the token being read; so the run ends within
-        one step of any of these, and `_run` takes over. A row that stops on the
-        token being read (end of sequence, a stop string, non-finite logits) has one step computed
-        past its end: its KV goes to the next slot of its own run (reserved for `max_tokens`),
-        which nothing reads, and its logits are dropped."""
-        flight: _Flight | None = self._launch(seqs, None)
+        one step of any of these, and `_run` takes over. A row that stops on the token being read
+        (end of sequence, a stop string, non-finite logits) has one step computed past its end: its
+        KV goes to the next slot of its own run (reserved for `max_tokens`), which nothing reads,
+        and its logits are dropped. A forward that fails fails the rows it ran, as in `_step`."""
+        try:
+            flight: _Flight | None = self._launch(seqs, None)
+        except Exception as exc:
+            for seq in seqs:
+                self._fail(seq, exc)
+            return
         last_read = time.perf_counter()
         while flight is not None:
             running = {id(seq) for seq in self._running}
             alive = [i for i, seq in enumerate(flight.seqs) if id(seq) in running]
             ahead = None
-            if self._may_run_ahead([flight.seqs[i] for i in alive]):
-                ahead = self._launch([flight.seqs[i] for i in alive], flight, alive)
-                self.ahead_steps += 1
-            picks = flight.read()
+            try:
+                if self._may_run_ahead([flight.seqs[i] for i in alive]):
+                    ahead = self._launch([flight.seqs[i] for i in alive], flight, alive)
+                    self.ahead_steps += 1
+                picks = flight.read()
+            except Exception as exc:
+                for i in alive:
+                    self._fail(flight.seqs[i], exc)
+                return
             for i in alive:
                 seq, (token, finite) = flight.seqs[i], picks[i]
                 try:

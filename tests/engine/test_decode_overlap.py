@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.engine import Finished, Prefilled, TextDelta
+from gateway.engine import Failed, Finished, Prefilled, TextDelta
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime
 from tests.engine.conftest import generate, not_kept
@@ -110,3 +110,33 @@ def test_a_client_gone_during_overlapped_steps_frees_its_blocks_and_leaves_no_st
     assert asyncio.run(main()) == expected
     assert not_kept(runtime) == held
     assert runtime.engine.stats().cancelled_total == 1
+
+
+def test_a_forward_that_fails_during_overlapped_steps_fails_its_rows_and_the_engine_serves_on(
+        runtime_for, merchant_tools, monkeypatch):
+    """A step launched ahead raises (as a device error would): the request running gets an error
+    event, its blocks come back, and the next request gets its own tokens."""
+    runtime = runtime_for("llama", decode_overlap=True)
+    request = plain(merchant_tools[:3], "Refunds?", 9)
+    expected = generate(runtime, request).finished
+    held = not_kept(runtime)
+    runner = runtime.engine.runner
+    forward = runner.forward
+
+    def failing(tokens: Any, rows: Any, ids: Any = None) -> Any:
+        if ids is not None and runtime.engine.ahead_steps > 3:
+            raise RuntimeError("device error")
+        return forward(tokens, rows, ids)
+
+    monkeypatch.setattr(runner, "forward", failing)
+
+    async def main() -> list[Any]:
+        prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(
+            plain(merchant_tools[:3], "Tell me everything", 200)))
+        return [event async for event in runtime.service.events(prepared)]
+
+    events = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert isinstance(events[-1], Failed) and "generation failed" in events[-1].message
+    monkeypatch.undo()
+    assert generate(runtime, request).finished == expected
+    assert not_kept(runtime) == held
