@@ -196,11 +196,16 @@ class Engine:
 
     def _run(self) -> None:
         while self._intake.take(bool(self._running), self._run_task):
-            self._intake.admit(self._running, self.max_batch, self._admit_one, self._fail_job)
-            self._drop_cancelled()
-            plan = self.scheduler.plan(self._running)
-            if plan:
-                self._step(plan)
+            try:
+                self._intake.admit(self._running, self.max_batch, self._admit_one, self._fail_job)
+                self._drop_cancelled()
+                plan = self.scheduler.plan(self._running)
+                if plan:
+                    self._step(plan)
+            except Exception as exc:  # a fault of the loop itself: what runs fails, the engine serves on
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    self._fail(seq, exc)
         for seq in self._running:
             seq.release()
         self._running.clear()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.engine import Finished, Prefilled, TextDelta
+from gateway.engine import Failed, Finished, Prefilled, TextDelta
 from gateway.errors import Overloaded
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime
@@ -183,4 +183,33 @@ def test_a_listener_whose_event_loop_closed_mid_answer_is_dropped_and_the_engine
         return await asyncio.wait_for(_run(runtime, request), timeout=60)
 
     assert asyncio.run(after()).finished == expected
+    assert not_kept(runtime) == held
+
+
+def test_a_fault_in_the_step_loop_fails_the_running_requests_and_the_engine_serves_on(runtime_for, merchant_tools,
+                                                                                     monkeypatch):
+    """Whatever raises in a step outside the model (here the scheduler, once) fails the requests
+    running then with an error event; the engine thread lives on and answers the next request."""
+    runtime = runtime_for("llama")
+    request = body(merchant_tools[:3], "hi", max_tokens=3)
+    expected = generate(runtime, request).finished
+    held = not_kept(runtime)
+    scheduler = runtime.engine.scheduler
+    plan = scheduler.plan
+
+    def faulty(running: Any) -> Any:
+        if any(seq.generated == 2 for seq in running):
+            monkeypatch.undo()
+            raise RuntimeError("a bug")
+        return plan(running)
+
+    monkeypatch.setattr(scheduler, "plan", faulty)
+
+    async def main() -> list[Any]:
+        prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))
+        return [event async for event in runtime.service.events(prepared)]
+
+    events = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert isinstance(events[-1], Failed) and "generation failed" in events[-1].message
+    assert generate(runtime, request).finished == expected
     assert not_kept(runtime) == held
