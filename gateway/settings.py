@@ -129,8 +129,8 @@ class Settings(BaseSettings):
     decode_overlap: bool | None = Field(None, description="launch each decode step of plain greedy rows before "
                                                           "reading the last one's tokens (its token ids go from the "
                                                           "device's argmax straight in), so sampling and streaming "
-                                                          "overlap the forward; same tokens (default: on for CUDA, "
-                                                          "off on the CPU, where a launch is the whole step)")
+                                                          "overlap the forward (default: on for CUDA with CUDA "
+                                                          "graphs, off on the CPU, where a launch is the whole step)")
     fused_layers: bool = Field(True, description="run each decoder layer of a Llama, Mistral, Qwen2 or Qwen3 model "
                                                  "as fused products and norms (q/k/v and gate/up as one product "
                                                  "each): fewer, larger kernels; same numbers up to float rounding")

@@ -87,11 +87,13 @@ class Engine:
         self.store = store
         self.device = device
         self.max_batch = max_batch
-        self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
-        if fused:  # before the runner binds the linears: the fused ones are among them
+        # Before the pool (the fused weights are new tensors: the old ones' memory goes back to the
+        # device first) and before the runner binds the linears (the fused ones are among them).
+        if fused:
             fused_layers.fuse(model)
         elif fused_layers.is_fused(model):  # a model an earlier engine fused
             fused_layers.unfuse(model)
+        self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
         self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
         self.overlap = overlap  # decode steps launched one ahead (_decode_ahead)
@@ -117,6 +119,11 @@ class Engine:
     def start(self) -> None:
         """Warm up, then serve: the runtime (and so `/health`) is ready only after this."""
         warm_up(self.runner, self.scheduler.chunk_tokens, self.max_batch, self.cuda_graphs)
+        if self.overlap and self.device.type == "cuda" and self.runner.graphs is None:
+            # An eager step copies its inputs from pageable memory, which waits for the step in
+            # flight: nothing would overlap, and a row's step past its end would still be paid.
+            log.info("decode steps are not launched ahead: no CUDA graphs")
+            self.overlap = False
         self._thread.start()
 
     def stop(self) -> None:
@@ -264,12 +271,15 @@ class Engine:
         """Decode steps of plain greedy rows back to back, each launched before the tokens of the
         one before it are read: its token ids are that step's argmax, copied on the device, so the
         host's reading, detokenizing and streaming overlap the next forward (on CUDA, where a
-        launch returns at once). Same inputs, same kernels: the tokens are those of `_step`.
+        launch returns at once). A row's inputs are those `_step` would give it; a step launched
+        ahead still holds the rows that end on the token being read, so its batch can be larger
+        than `_step`'s, which changes rounding only where batches do (not with
+        `batch_invariant`; never for a request alone).
 
         The run starts from a step of every running sequence (`_step` checks), and a step is
-        launched ahead only while nothing else waits (no job, task or stop in the intake, no client
-        gone) and no row reaches `max_tokens` with the token being read; so the run ends within
-        one step of any of these, and `_run` takes over. A row that stops on the token being read
+        launched ahead only while nothing else waits that could run (`_may_run_ahead`) and no row
+        reaches `max_tokens` with the token being read; so the run ends within one step of any of
+        these, and `_run` takes over. A row that stops on the token being read
         (end of sequence, a stop string, non-finite logits) has one step computed past its end: its
         KV goes to the next slot of its own run (reserved for `max_tokens`), which nothing reads,
         and its logits are dropped. A forward that fails fails the rows it ran, as in `_step`."""
@@ -310,7 +320,13 @@ class Engine:
             flight = ahead
 
     def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
-        return bool(seqs) and self._intake.depth == 0 and all(
+        """Whether the next step may be launched before this one is read: nothing waits that
+        could run (jobs waiting for a full batch cannot: a row must end first, and then this is
+        false), no client is gone, and no row ends by `max_tokens` with the token being read."""
+        waiting = self._intake.depth
+        if waiting and (len(self._running) < self.max_batch or self._intake.tasks_waiting):
+            return False
+        return bool(seqs) and all(
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], after: _Flight | None, rows: list[int] | None = None) -> _Flight:
@@ -453,10 +469,11 @@ class Engine:
     def _retire(self, seq: Sequence, keep_turn: bool = False) -> None:
         """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
         (after the group) as a conversation record first."""
+        if seq not in self._running:
+            return  # retired already (a row that failed after it finished): its blocks went back once
         if keep_turn:
             self.cache.keep_turn(seq)
-        if seq in self._running:
-            self._running.remove(seq)
+        self._running.remove(seq)
         self.cache.retire(seq)
         seq.release()
 

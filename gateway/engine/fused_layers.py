@@ -97,6 +97,8 @@ def fuse(model: Any) -> None:
     rotary._toolkv_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(model.device, model.dtype)
     rotary._toolkv_inner = type(rotary).forward
     _patch(rotary, _rotary_forward)
+    if model.device.type == "cuda":  # the unfused weights' memory goes back to the device
+        torch.cuda.empty_cache()
 
 
 def unfuse(model: Any) -> None:

@@ -11,6 +11,7 @@ Engine thread only, but for `put` and `depth`.
 from __future__ import annotations
 
 import queue
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
 
@@ -26,6 +27,17 @@ class Intake:
         self.max_queue = max_queue
         self._queue: queue.Queue[Job | Task | None] = queue.Queue()
         self.held: list[Job] = []  # taken off the queue, not admitted yet, oldest first
+        self._tasks = 0  # tasks and stops queued, not taken yet
+        self._tasks_lock = threading.Lock()
+
+    @property
+    def tasks_waiting(self) -> bool:
+        """Whether a task or a stop is queued (read from the engine thread)."""
+        return self._tasks > 0
+
+    def _count_task(self, delta: int) -> None:
+        with self._tasks_lock:
+            self._tasks += delta
 
     @property
     def depth(self) -> int:
@@ -36,10 +48,13 @@ class Intake:
         """Queue `item` (any thread); QueueFull when `max_queue` wait already."""
         if self.depth >= self.max_queue:
             raise QueueFull
+        if isinstance(item, Task):
+            self._count_task(1)
         self._queue.put_nowait(item)
 
     def close(self) -> None:
         """Tell the engine thread to stop (after what is queued before)."""
+        self._count_task(1)
         self._queue.put(None)
 
     def take(self, running: bool, run_task: Callable[[Task], None]) -> bool:
@@ -57,8 +72,10 @@ class Intake:
             except queue.Empty:
                 return True
             if item is None:
+                self._count_task(-1)
                 return False
             if isinstance(item, Task):
+                self._count_task(-1)
                 run_task(item)
                 wait = wait and not self.held
             else:

@@ -140,3 +140,23 @@ def test_a_forward_that_fails_during_overlapped_steps_fails_its_rows_and_the_eng
     monkeypatch.undo()
     assert generate(runtime, request).finished == expected
     assert not_kept(runtime) == held
+
+
+def test_steps_are_launched_ahead_while_jobs_wait_for_a_full_batch(runtime_for, merchant_tools):
+    """Jobs waiting for a slot cannot run until a row ends, so they do not stop the run (under a
+    load beyond max_batch it would never start); each request still gets the tokens it gets alone."""
+    runtime = runtime_for("llama", decode_overlap=True, max_batch=2)
+    tools = merchant_tools[:3]
+    batch = [plain(tools, f"Question {i}?", 12 + 5 * i) for i in range(5)]
+    expected = [generate(runtime, r).finished for r in batch]
+    engine = runtime.engine
+    launch, waiting = engine._launch, []
+
+    def recording(seqs: Any, after: Any, rows: Any = None) -> Any:
+        if after is not None:
+            waiting.append(engine._intake.depth)
+        return launch(seqs, after, rows)
+
+    engine._launch = recording  # type: ignore[method-assign]
+    assert [run.finished for run in run_together(runtime, [(r, False) for r in batch])] == expected
+    assert max(waiting) > 0  # launched ahead with jobs in the intake
