@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -53,6 +52,7 @@ from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.sampling import (
+    GreedyPicks,
     NonFiniteLogits,
     SamplingParams,
     all_finite,
@@ -279,32 +279,25 @@ class Engine:
         The run starts from a step of every running sequence (`_step` checks), and a step is
         launched ahead only while nothing else waits that could run (`_may_run_ahead`) and no row
         reaches `max_tokens` with the token being read; so the run ends within one step of any of
-        these, and `_run` takes over. A row that stops on the token being read
-        (end of sequence, a stop string, non-finite logits) has one step computed past its end: its
-        KV goes to the next slot of its own run (reserved for `max_tokens`), which nothing reads,
-        and its logits are dropped. A forward that fails fails the rows it ran, as in `_step`."""
-        try:
-            flight: _Flight | None = self._launch(seqs, None)
-        except Exception as exc:
-            for seq in seqs:
-                self._fail(seq, exc)
-            return
+        these, and `_run` takes over. A row that stops on the token being read (end of sequence, a
+        stop string, non-finite logits) has one step computed past its end: its KV goes to the next
+        slot of its own run (reserved for `max_tokens`), which nothing reads, and its logits are
+        dropped. A forward that fails raises to `_run`, which fails every running row: all of
+        them are in the run."""
+        flight: tuple[list[Sequence], GreedyPicks] | None = (seqs, self._launch(seqs, None))
         last_read = time.perf_counter()
         while flight is not None:
+            seqs, picks = flight
             running = {id(seq) for seq in self._running}
-            alive = [i for i, seq in enumerate(flight.seqs) if id(seq) in running]
+            alive = [i for i, seq in enumerate(seqs) if id(seq) in running]
             ahead = None
-            try:
-                if self._may_run_ahead([flight.seqs[i] for i in alive]):
-                    ahead = self._launch([flight.seqs[i] for i in alive], flight, alive)
-                    self.ahead_steps += 1
-                picks = flight.read()
-            except Exception as exc:
-                for i in alive:
-                    self._fail(flight.seqs[i], exc)
-                return
+            if self._may_run_ahead([seqs[i] for i in alive]):
+                ahead_seqs = [seqs[i] for i in alive]
+                ahead = (ahead_seqs, self._launch(ahead_seqs, picks.best, alive))
+                self.ahead_steps += 1
+            read = picks.read()
             for i in alive:
-                seq, (token, finite) = flight.seqs[i], picks[i]
+                seq, (token, finite) = seqs[i], read[i]
                 try:
                     if not finite:
                         raise NonFiniteLogits("the model produced non-finite logits")
@@ -329,21 +322,17 @@ class Engine:
         return bool(seqs) and all(
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
 
-    def _launch(self, seqs: list[Sequence], after: _Flight | None, rows: list[int] | None = None) -> _Flight:
-        """One decode step of `seqs`: their next tokens from the host, or (`after`) the argmax of
-        the step `after` at its `rows`, one token past what the host has read."""
-        if after is None:
-            tokens, ids = [[seq.next_token] for seq in seqs], None
-        else:
-            assert rows is not None
-            tokens = [[0]] * len(seqs)
-            ids = after.best
-            if len(rows) < len(after.seqs):  # rows that ended on the step being read are left out
-                index = torch.tensor(rows, pin_memory=ids.is_cuda)  # pinned: no wait for the step in flight
-                ids = ids[index.to(ids.device, non_blocking=True)]
+    def _launch(self, seqs: list[Sequence], after: torch.Tensor | None, rows: list[int] | None = None) -> GreedyPicks:
+        """One decode step of `seqs`: their next tokens from the host, or the argmax `after` of the
+        step before (at its `rows`), one token past what the host has read."""
+        tokens: list[list[int | None]] = [[seq.next_token] for seq in seqs]  # `ids`, when given, replace them
+        ids = after
+        if after is not None and rows is not None and len(rows) < after.shape[0]:
+            # rows that ended on the step being read are left out; pinned: no wait for the step in flight
+            index = torch.tensor(rows, pin_memory=after.is_cuda)
+            ids = after[index.to(after.device, non_blocking=True)]
         rows_kv = [seq.row(1, ahead=int(after is not None)) for seq in seqs]
-        logits = self.runner.forward(tokens, rows_kv, ids)  # type: ignore[arg-type]
-        return _Flight.launched(seqs, logits)
+        return GreedyPicks.start(self.runner.forward(tokens, rows_kv, ids))  # type: ignore[arg-type]
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -492,33 +481,3 @@ class Engine:
 
 class _NonFinite(RuntimeError):
     pass
-
-
-@dataclass(slots=True)
-class _Flight:
-    """A decode step launched and not read yet: its rows' argmax on the device (`best`), and the
-    argmax and finiteness on their way to the host (`ready` fires when they are there; None: they
-    already are)."""
-
-    seqs: list[Sequence]
-    best: torch.Tensor
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    @classmethod
-    def launched(cls, seqs: list[Sequence], logits: torch.Tensor) -> _Flight:
-        best = torch.argmax(logits, dim=-1)
-        picks = torch.stack([best, torch.isfinite(logits.amax(dim=-1)).long()])
-        if logits.device.type != "cuda":
-            return cls(seqs, best, picks, None)
-        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
-        host.copy_(picks, non_blocking=True)
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        ready.record()
-        return cls(seqs, best, host, ready)
-
-    def read(self) -> list[tuple[int, int]]:
-        """Each row's token and whether its logits were finite (1/0), waiting for this step only."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return list(zip(*self.host.tolist(), strict=True))

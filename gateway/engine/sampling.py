@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers.generation.logits_process import SequenceBiasLogitsProcessor
@@ -52,14 +52,42 @@ def all_finite(logits: torch.Tensor) -> bool:
     return bool(torch.isfinite(logits.max()))  # max is NaN if any is, +inf if any is, -inf if all are
 
 
+@dataclass(slots=True)
+class GreedyPicks:
+    """Each logits row's argmax (`best`, on the device) and whether the row is finite, on their way
+    to the host: `read` waits for them alone (on CUDA an event after their copy to pinned memory,
+    not a sync of the stream: work queued after them, a next step launched ahead, goes on)."""
+
+    best: torch.Tensor
+    host: torch.Tensor
+    ready: Any  # torch.cuda.Event, or None: already on the host
+
+    @classmethod
+    def start(cls, logits: torch.Tensor) -> GreedyPicks:
+        best = torch.argmax(logits, dim=-1)
+        picks = torch.stack([best, torch.isfinite(logits.amax(dim=-1)).long()])
+        if logits.device.type != "cuda":
+            return cls(best, picks, None)
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+        host.copy_(picks, non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        ready.record()
+        return cls(best, host, ready)
+
+    def read(self) -> list[tuple[int, int]]:
+        """Each row's token and whether its logits were finite (1/0)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return list(zip(*self.host.tolist(), strict=True))
+
+
 def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, tuple[int, int]]:
     """For the plain greedy `rows` of a step's logits: each one's argmax and whether the row is
     finite (1/0), by one argmax on the device and one transfer for all."""
     if not rows:
         return {}
     picked = logits if len(rows) == logits.shape[0] else logits[rows]
-    best, ok = torch.argmax(picked, dim=-1), torch.isfinite(picked.amax(dim=-1))
-    return dict(zip(rows, zip(*torch.stack([best, ok.long()]).tolist(), strict=True), strict=True))
+    return dict(zip(rows, GreedyPicks.start(picked).read(), strict=True))
 
 
 def on_host(logits: torch.Tensor) -> torch.Tensor:
