@@ -49,7 +49,8 @@ def available(device: torch.device) -> bool:
 @dataclass(slots=True)
 class KVLayout:
     """Per sequence of the flat batch (int32 tensors on the device, `[S]`), where its queries and
-    keys are: `q_start`/`q_len` in the flat batch, and its two key segments."""
+    keys are: `q_start`/`q_len` in the flat batch, and its two key segments. A sequence with no
+    queries and no keys (a CUDA graph's padding) reads nothing and writes no output."""
 
     q_start: torch.Tensor
     q_len: torch.Tensor
@@ -85,7 +86,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout
             query.stride(0), query.stride(1), keys.stride(0), keys.stride(1),
             GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), DIM=dim, BLOCK_D=block_d,
             BLOCK_N=DECODE_BLOCK_N, SPLITS=NUM_SPLITS, PRECISION=precision)
-        k.combine[(rows, q_heads)](part, lse, out, layout.decode_rows, layout.q_start, out.stride(0), out.stride(1),
+        k.combine[(rows, q_heads)](part, lse, out, layout.decode_rows, layout.q_start, layout.q_len,
+                                   out.stride(0), out.stride(1),
                                    DIM=dim, BLOCK_D=block_d, SPLITS=NUM_SPLITS)
     if layout.num_tiles:
         k.prefill[(layout.num_tiles, q_heads)](

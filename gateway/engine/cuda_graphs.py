@@ -1,24 +1,33 @@
-"""CUDA graphs for the engine's two common steps, captured at start-up.
+"""CUDA graphs for the engine's steps, captured at start-up.
 
 A step with the Triton backend launches a few thousand small kernels (transformers' modules, one
 op at a time): ~35 ms of host time per forward of an 8B model on the kit's H100, whatever its
-size. Steps whose launch shapes depend only on a bucket size are captured once and replayed:
-- a decode step of B rows, one token each (buckets 1, 2, 4, 8, then every 8 up to `max_batch`);
-- a prompt chunk of one sequence alone, up to `PREFILL_BUCKETS[-1]` tokens (a hit's suffix, an
-  agent's new messages), padded up to its bucket.
+size. Steps whose launch shapes depend only on a bucket are captured once and replayed:
+- a decode step of B rows, one token each (buckets 1, 2, 4, 8, then every 8 up to `max_rows`);
+- a step with prompt chunks of up to `FLAT_BUCKETS[-1]` tokens in all, padded up to its bucket:
+  one graph of chunks alone (a hit's suffix, an agent's new messages) and one of decode rows
+  beside chunks (a new request joining running ones), per bucket. With `batch_invariant`, whose
+  linears run per sequence, only a chunk alone is replayed, and an eager chunk's linears are
+  padded to the rows its graph has (model_runner.py), so batched == alone still holds.
 The host writes the step's token ids, positions, pool slots and KV layout into static buffers and
-replays one graph. Padding rows and tokens write and read one scratch token of the pool
-(`BlockPool.scratch_token`), so they never touch a sequence's KV; padding tokens are rows of their
-own in every matrix product and never reach a real row. The bucket, and so every kernel's shape,
-is a function of the step's token count alone: a chunk served alone runs the same graph on a hit,
-a miss and a bypass. Larger chunks and mixed steps run eagerly.
+replays one graph. Padding tokens write one scratch token of the pool (`BlockPool.scratch_token`)
+and are rows of their own in every matrix product; padding sequences (decode rows, prompt tiles)
+point at a padding column of the layout with no queries and no keys, so they read nothing and
+write no output. The bucket, and so every kernel's shape, is a function of the step's token count
+(and whether it has decode rows) alone: a chunk served alone runs the same graph on a hit, a miss
+and a bypass. Larger steps run eagerly.
+
+Without CUDA (the test suite, on Triton's interpreter) a "graph" re-runs the captured step on the
+same static buffers, so the buffers, padding and layouts are tested on every machine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -28,12 +37,17 @@ from gateway.engine.model_runner import ModelRunner, RowKV, StepInputs, layout_c
 
 log = logging.getLogger(__name__)
 
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+FLAT_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def buckets(max_rows: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(8, max_rows, 8))
     return sorted({*sizes, max_rows})
+
+
+def bucket_of(sizes: tuple[int, ...] | list[int], count: int) -> int | None:
+    """The smallest of `sizes` that holds `count`, or None."""
+    return next((size for size in sizes if size >= count), None)
 
 
 def pool_bytes(segments: list[dict[str, Any]], pool_id: Any) -> int:
@@ -45,128 +59,185 @@ def pool_bytes(segments: list[dict[str, Any]], pool_id: Any) -> int:
     return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == wanted)
 
 
+class _Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class _Rerun:
+    """A step "captured" without CUDA: replaying runs it again on the same static buffers."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+        self._run = run
+        self._out = out
+
+    def replay(self) -> None:
+        with torch.inference_mode():  # the logits are the model's (inference) tensor
+            self._out.copy_(self._run())
+
+
+class _Graph:
+    """One captured step: its launch capacities (decode rows, prompt tiles, sampled rows) and the
+    static logits its replay writes."""
+
+    def __init__(self, replayable: _Replayable, logits: torch.Tensor, decode: int, tiles: int, sampled: int) -> None:
+        self.replayable = replayable
+        self.logits = logits
+        self.decode = decode
+        self.tiles = tiles
+        self.sampled = sampled
+
+
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, max_rows: int) -> None:
+    def __init__(self, runner: ModelRunner, max_rows: int, flat_sizes: tuple[int, ...] = FLAT_BUCKETS) -> None:
         self.runner = runner
         self.max_rows = max_rows
+        self.invariant = runner.batch_invariant
         self.decode_sizes = buckets(max_rows)
-        self.prefill_sizes = [b for b in PREFILL_BUCKETS if b < runner.pool.scratch_token]
-        width = max(max_rows, *self.prefill_sizes, 1)
+        self.flat_sizes = tuple(b for b in flat_sizes if b < runner.pool.scratch_token)
+        self.width = max(max_rows, *self.flat_sizes, 1)  # tokens
+        self.columns = max_rows + 1  # layout columns: the rows, then (at least) one padding column
+        self.max_tiles = max((self._tiles_for(size) for size in self.flat_sizes), default=0)
         device = runner.device
-        self._ids = torch.zeros((1, width), dtype=torch.long, device=device)
-        self._positions = torch.zeros((1, width), dtype=torch.long, device=device)
-        self._slots = torch.zeros(width, dtype=torch.long, device=device)
-        self._last = torch.zeros(1, dtype=torch.long, device=device)
-        self._table = torch.zeros((7, max_rows), dtype=torch.int32, device=device)  # layout columns, rows
-        tiles = -(-width // attention.PREFILL_BLOCK_M)
-        self._tiles = torch.stack([torch.zeros(tiles, dtype=torch.int32),
-                                   torch.arange(tiles, dtype=torch.int32) * attention.PREFILL_BLOCK_M]).to(device)
-        self._decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pinned = device.type == "cuda"
+        # Static inputs, each family one buffer so a replay writes it with one copy (plain tensors,
+        # written between steps, even when these graphs are made on the engine thread).
+        with torch.inference_mode(False):
+            self._long = torch.zeros(3 * self.width + max_rows, dtype=torch.long, device=device)
+            self._int = torch.zeros(7 * self.columns + 2 * self.max_tiles, dtype=torch.int32, device=device)
+        self._ids = self._long[:self.width].view(1, -1)
+        self._positions = self._long[self.width:2 * self.width].view(1, -1)
+        self._slots = self._long[2 * self.width:3 * self.width]
+        self._last = self._long[3 * self.width:]
+        self._table = self._int[:7 * self.columns].view(7, self.columns)  # layout columns, decode rows
+        self._tiles = self._int[7 * self.columns:].view(2, self.max_tiles)
+        self._decode: dict[int, _Graph] = {}
+        self._flat: dict[tuple[int, bool], _Graph] = {}  # (tokens, with decode rows)
+        self.replays: Counter[str] = Counter()  # "decode", "chunks", "mixed"
         self.num_bytes = 0  # the graphs' private memory pool, once captured
 
-    def fits_decode(self, rows: int) -> bool:
-        return rows <= self.max_rows
-
-    def fits_prefill(self, tokens: int) -> bool:
-        return bool(self.prefill_sizes) and 1 < tokens <= self.prefill_sizes[-1]
+    # ---- capture -----------------------------------------------------------------------------
 
     def capture(self) -> None:
         """Capture every bucket, the largest first (its memory pool serves the smaller ones)."""
         started = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.runner.device)
-        self._fill_padding()
+        device = self.runner.device
+        cuda = device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(device) if cuda else 0
+        self._write_padding()
         pool = None
-        for size in reversed(self.prefill_sizes):
-            step = StepInputs([], [size], self.runner.pool, self._prefill_layout(size), self._slots[:size])
-            pool = self._capture(self._prefill, size, step, self._last, pool)
+        for size in reversed(self.flat_sizes):
+            for mixed in (False,) if self.invariant else (True, False):
+                pool = self._capture_flat(size, mixed, pool)
         for size in reversed(self.decode_sizes):
-            step = StepInputs([], [1] * size, self.runner.pool, self._decode_layout(size), self._slots[:size])
-            pool = self._capture(self._decode, size, step, None, pool)
-        torch.cuda.synchronize()
-        segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        # Else the memory reserved while capturing (it also counts the eager warm passes' cached blocks).
-        self.num_bytes = (pool_bytes(segments, pool) or
-                          max(0, torch.cuda.memory_reserved(self.runner.device) - reserved))
-        log.info("captured %d CUDA graphs (decode batch 1-%d, prompt chunks up to %d tokens) in %.1fs, %.0f MiB",
-                 len(self._decode) + len(self._prefill), self.max_rows, max(self.prefill_sizes, default=0),
-                 time.perf_counter() - started, self.num_bytes / 2**20)
+            layout = self._layout(size, 0)
+            step = StepInputs([], [1] * size, self.runner.pool, layout, self._slots[:size])
+            self._decode[size], pool = self._capture(size, step, None, pool, decode=size)
+        if cuda:
+            torch.cuda.synchronize(device)
+            segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            # Else the memory reserved while capturing (it also counts the eager warm passes' cached blocks).
+            self.num_bytes = pool_bytes(segments, pool) or max(0, torch.cuda.memory_reserved(device) - reserved)
+        log.info("captured %d step graphs (decode batch 1-%d, prompt chunks up to %d tokens%s) in %.1fs, %.0f MiB",
+                 len(self._decode) + len(self._flat), self.max_rows, max(self.flat_sizes, default=0),
+                 "" if self.invariant else ", alone or beside decode rows", time.perf_counter() - started,
+                 self.num_bytes / 2**20)
 
-    def _capture(self, into: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int, step: StepInputs,
-                 last: torch.Tensor | None, pool: Any) -> Any:
+    def _capture_flat(self, size: int, mixed: bool, pool: Any) -> Any:
+        decode = min(size, self.max_rows) if mixed else 0
+        sampled = 1 if self.invariant else min(size, self.max_rows)
+        step = StepInputs([], [size], self.runner.pool, self._layout(decode, self._tiles_for(size)),
+                          self._slots[:size])
+        self._flat[(size, mixed)], pool = self._capture(size, step, self._last[:sampled], pool, decode=decode)
+        return pool
+
+    def _capture(self, size: int, step: StepInputs, last: torch.Tensor | None, pool: Any,
+                 decode: int) -> tuple[_Graph, Any]:
         args = (self._ids[:, :size], self._positions[:, :size], step, last)
-        self.runner.run(*args)  # compiles kernels, settles the allocator
+        tiles = step.layout.num_tiles if step.layout is not None else 0
+        sampled = last.shape[0] if last is not None else size
+        logits = self.runner.run(*args)  # compiles kernels, settles the allocator
+        if self.runner.device.type != "cuda":
+            return _Graph(_Rerun(lambda: self.runner.run(*args), logits), logits, decode, tiles, sampled), None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
             logits = self.runner.run(*args)
-        into[size] = (graph, logits)
-        return graph.pool() if pool is None else pool
+        return _Graph(graph, logits, decode, tiles, sampled), graph.pool() if pool is None else pool
 
-    def replay_decode(self, tokens: list[int], rows: list[RowKV], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits `[len(rows), vocab]` for one decode token per row (`ids`: the tokens already on
-        the device, copied in after `tokens`' placeholders, in stream order)."""
-        count = len(rows)
-        size = next(s for s in self.decode_sizes if s >= count)
-        pad, scratch = size - count, self.runner.pool.scratch_token
-        self._inputs(tokens + [0] * pad, [row.position for row in rows] + [0] * pad,
-                     [row.own.token_start + row.own_len for row in rows] + [scratch] * pad)
+    def _tiles_for(self, size: int) -> int:
+        """Prompt tiles a step of `size` tokens can have: its tokens in tiles, plus one partial
+        tile per chunk (each at least 2 tokens)."""
+        return -(-size // attention.PREFILL_BLOCK_M) + min(size // 2, self.max_rows)
+
+    def _layout(self, decode: int, tiles: int) -> KVLayout:
+        t = self._table
+        return KVLayout(t[0], t[1], t[2], t[3], t[4], t[5], decode_rows=t[6, :decode],
+                        tile_seq=self._tiles[0, :tiles], tile_first=self._tiles[1, :tiles],
+                        num_decode=decode, num_tiles=tiles)
+
+    def _write_padding(self) -> None:
+        """Every row, tile and token padding (for capture)."""
+        self._write([], [], [], [[] for _ in range(6)], [], [], [])
+
+    # ---- replay ------------------------------------------------------------------------------
+
+    def replay(self, tokens: list[list[int]], rows: list[RowKV],
+               ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits `[len(rows), vocab]` after the last token of each row, from a graph; None when
+        no graph fits the step. `tokens` as `ModelRunner.forward` takes them (rows of one token
+        first); `ids`: a decode step's token ids on the device, copied in after the host's."""
+        sizes = [len(t) for t in tokens]
+        total = sum(sizes)
+        if len(rows) > self.max_rows:
+            return None
+        if total == len(rows):
+            size = bucket_of(self.decode_sizes, total)
+            graph = self._decode.get(size) if size is not None else None
+            kind = "decode"
+        elif self.invariant and len(rows) > 1:
+            return None
+        else:
+            size = bucket_of(self.flat_sizes, total)
+            mixed = sizes[0] == 1
+            graph = self._flat.get((size, mixed)) if size is not None else None
+            kind = "mixed" if mixed else "chunks"
+        if graph is None or size is None:
+            return None
+        self._write_step(tokens, rows, sizes, graph)
         if ids is not None:
-            self._ids[0, :count].copy_(ids)
-        columns = layout_columns(rows, [1] * count)
-        padding = [list(range(count, size)), [1] * pad, [0] * pad, [0] * pad, [scratch] * pad, [1] * pad]
-        table = torch.tensor([c + p for c, p in zip(columns, padding, strict=True)] + [list(range(size))],
-                             dtype=torch.int32, pin_memory=True)
-        self._table[:, :size].copy_(table, non_blocking=True)
-        graph, logits = self._decode[size]
-        graph.replay()
-        return logits[:count]
+            self._ids[0, :len(rows)].copy_(ids)
+        graph.replayable.replay()
+        self.replays[kind] += 1
+        return graph.logits[:len(rows)]
 
-    def replay_prefill(self, tokens: list[int], row: RowKV) -> torch.Tensor:
-        """Logits `[1, vocab]` after a prompt chunk of one sequence alone."""
-        count = len(tokens)
-        size = next(s for s in self.prefill_sizes if s >= count)
-        pad, scratch = size - count, self.runner.pool.scratch_token
-        start = row.own.token_start + row.own_len
-        self._inputs(tokens + [0] * pad, list(range(row.position, row.position + count)) + [0] * pad,
-                     list(range(start, start + count)) + [scratch] * pad)
-        self._last.fill_(count - 1)
-        table = torch.tensor([c[0] for c in layout_columns([row], [count])] + [0], dtype=torch.int32, pin_memory=True)
-        self._table[:, 0].copy_(table, non_blocking=True)
-        graph, logits = self._prefill[size]
-        graph.replay()
-        return logits
+    def _write_step(self, tokens: list[list[int]], rows: list[RowKV], sizes: list[int], graph: _Graph) -> None:
+        ids = [t for chunk in tokens for t in chunk]
+        positions = [row.position + i for row, size in zip(rows, sizes, strict=True) for i in range(size)]
+        slots = [row.own.token_start + row.own_len + i for row, size in zip(rows, sizes, strict=True)
+                 for i in range(size)]
+        decode = [i for i, size in enumerate(sizes) if size == 1]
+        tiles = [(i, first) for i, size in enumerate(sizes) if size > 1
+                 for first in range(0, size, attention.PREFILL_BLOCK_M)]
+        assert len(decode) <= graph.decode and len(tiles) <= graph.tiles and len(rows) <= graph.sampled
+        ends, total = [], 0
+        for size in sizes:
+            total += size
+            ends.append(total - 1)
+        self._write(ids, positions, slots, layout_columns(rows, sizes), decode, tiles, ends)
 
-    def _inputs(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
-        size = len(ids)
-        # Pinned: a copy from pageable memory may wait for the work queued before it, and a decode
-        # step launched ahead (engine/core.py) must not wait for the step in flight.
-        host = torch.tensor([ids, positions, slots], dtype=torch.long, pin_memory=True)
-        self._ids[0, :size].copy_(host[0], non_blocking=True)
-        self._positions[0, :size].copy_(host[1], non_blocking=True)
-        self._slots[:size].copy_(host[2], non_blocking=True)
-
-    def _decode_layout(self, size: int) -> KVLayout:
-        t = self._table
-        empty = torch.zeros(0, dtype=torch.int32, device=t.device)
-        return KVLayout(t[0, :size], t[1, :size], t[2, :size], t[3, :size], t[4, :size], t[5, :size],
-                        decode_rows=t[6, :size], tile_seq=empty, tile_first=empty, num_decode=size, num_tiles=0)
-
-    def _prefill_layout(self, size: int) -> KVLayout:
-        t = self._table
-        tiles = -(-size // attention.PREFILL_BLOCK_M)
-        return KVLayout(t[0, :1], t[1, :1], t[2, :1], t[3, :1], t[4, :1], t[5, :1], decode_rows=t[6, :0],
-                        tile_seq=self._tiles[0, :tiles], tile_first=self._tiles[1, :tiles], num_decode=0,
-                        num_tiles=tiles)
-
-    def _fill_padding(self) -> None:
-        """Every row a padding row (scratch token), for capture."""
+    def _write(self, ids: list[int], positions: list[int], slots: list[int], columns: list[list[int]],
+               decode: list[int], tiles: list[tuple[int, int]], last: list[int]) -> None:
+        """Fill the static buffers: the step's values, then padding to their ends (one copy each)."""
+        pad_tokens = self.width - len(ids)
+        pad = self.max_rows  # the padding column: no queries (q_len 0), no keys (group and own length 0)
         scratch = self.runner.pool.scratch_token
-        rows = torch.arange(self.max_rows, dtype=torch.int32, device=self._table.device)
-        self._table[0].copy_(rows)
-        self._table[1].fill_(1)
-        self._table[2].zero_()
-        self._table[3].zero_()
-        self._table[4].fill_(scratch)
-        self._table[5].fill_(1)
-        self._table[6].copy_(rows)
-        self._slots.fill_(scratch)
+        longs = [*ids, *[0] * pad_tokens, *positions, *[0] * pad_tokens, *slots, *[scratch] * pad_tokens,
+                 *last, *[0] * (self.max_rows - len(last))]
+        pad_columns = self.columns - len(columns[0])
+        padding = (0, 0, 0, 0, scratch, 0)  # q_start, q_len, group_start, group_len, own_start, own_len
+        ints = [value for column, fill in zip(columns, padding, strict=True)
+                for value in (*column, *[fill] * pad_columns)]
+        ints += [*decode, *[pad] * (self.columns - len(decode))]
+        ints += [*(s for s, _ in tiles), *[pad] * (self.max_tiles - len(tiles))]
+        ints += [*(f for _, f in tiles), *[0] * (self.max_tiles - len(tiles))]
+        self._long.copy_(torch.tensor(longs, dtype=torch.long, pin_memory=self._pinned), non_blocking=True)
+        self._int.copy_(torch.tensor(ints, dtype=torch.int32, pin_memory=self._pinned), non_blocking=True)

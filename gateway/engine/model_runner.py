@@ -5,9 +5,9 @@ goes through the model's own transformers code as one `[1, T]` batch with per-to
 each linear layer is one matrix product over all T tokens. Attention is the one function toolkv
 registers in transformers' `AttentionInterface`; it writes the step's new keys and values into
 the block pool and reads every sequence's KV in place, in one of two ways (`backend`):
-- "triton" (CUDA): the kernels of engine/attention.py over per-sequence metadata, and decode
-  steps and short prompt chunks replayed from CUDA graphs captured at start-up per bucket
-  (engine/cuda_graphs.py, nano-vllm's scheme);
+- "triton" (CUDA): the kernels of engine/attention.py over per-sequence metadata, and steps of up
+  to 512 tokens (decode rows, short prompt chunks, or both) replayed from CUDA graphs captured at
+  start-up per bucket (engine/cuda_graphs.py, nano-vllm's scheme grown to chunks);
 - "torch" (the CPU, or a GPU without Triton): per sequence, over the pool's strided views (a
   decode row: scores per segment, one softmax, `probs @ v` per segment; a prompt chunk: torch's
   fused SDPA over the segments joined into one copy).
@@ -20,8 +20,9 @@ What the output may depend on (tests/engine/test_batching.py, test_cached_equals
   rows it has, so a flat batch rounds a sequence's linears differently from the same sequence
   alone. With `batch_invariant` on (the CPU's default), each linear runs per sequence instead: the
   decode rows as one matrix-vector product each (`matmul` with a batch dimension: the kernel one
-  row alone runs), each prompt chunk as its own product; attention is per sequence on both
-  backends. Batched == alone then holds bitwise, at the cost of one product per sequence.
+  row alone runs), each prompt chunk as its own product (over as many rows as its CUDA graph
+  alone pads it to); attention is per sequence on both backends. Batched == alone then holds
+  bitwise, at the cost of one product per sequence.
 """
 
 from __future__ import annotations
@@ -174,10 +175,13 @@ def _attend_chunk(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.
 
 
 class _Split:
-    """The per-sequence split of the step running now, for batch-invariant linears."""
+    """The per-sequence split of the step running now, for batch-invariant linears; and the row
+    counts a prompt chunk's product is padded up to (the graph buckets of a chunk alone, so a chunk
+    batched rounds as it does alone)."""
 
     def __init__(self) -> None:
         self.step: StepInputs | None = None
+        self.chunk_rows: tuple[int, ...] = ()
 
 
 def _invariant_linear(split: _Split, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -200,9 +204,19 @@ def _invariant_linear(split: _Split, layer: nn.Linear, x: torch.Tensor) -> torch
         parts.append(nn.functional.linear(x[:, :1], layer.weight, layer.bias))
     offset = singles
     for size in chunks:
-        parts.append(nn.functional.linear(x[:, offset:offset + size], layer.weight, layer.bias))
+        parts.append(_chunk_linear(layer, x[:, offset:offset + size], split.chunk_rows))
         offset += size
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _chunk_linear(layer: nn.Linear, x: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """One chunk's product, over the rows its graph alone has when that is more than its own."""
+    size = x.shape[1]
+    padded = next((r for r in rows if r >= size), size)
+    if padded == size:
+        return nn.functional.linear(x, layer.weight, layer.bias)
+    x = nn.functional.pad(x, (0, 0, 0, padded - size))
+    return nn.functional.linear(x, layer.weight, layer.bias)[:, :size]
 
 
 def _register() -> None:
@@ -221,7 +235,7 @@ class ModelRunner:
         self.backend: Backend = backend
         self.batch_invariant = batch_invariant
         self._split = _Split()
-        self.graphs: Any = None  # engine/cuda_graphs.StepGraphs, once captured
+        self.graphs: Any = None  # engine/cuda_graphs.StepGraphs, once captured (`use_graphs`)
         self.weights_bytes = tensor_bytes(model)
         model.requires_grad_(False)  # autograd bookkeeping changes which kernels run
         model.config._attn_implementation = ATTENTION_NAME
@@ -231,6 +245,12 @@ class ModelRunner:
                 config._attn_implementation = ATTENTION_NAME
             if batch_invariant and type(module) is nn.Linear:  # bitsandbytes' 4-bit layers keep their own
                 module.forward = _bind(self._split, module)  # type: ignore[method-assign]
+
+    def use_graphs(self, graphs: Any) -> None:
+        """Replay steps from `graphs` (a captured engine/cuda_graphs.StepGraphs) from now on."""
+        self.graphs = graphs
+        # A chunk alone runs its graph's padded row count: so does an eager one, batched.
+        self._split.chunk_rows = graphs.flat_sizes if self.batch_invariant else ()
 
     def memory(self) -> MemoryUse:
         """What the weights, the KV pool and the captured CUDA graphs take on the device."""
@@ -246,11 +266,11 @@ class ModelRunner:
         """Logits `[S, vocab]` after the last token of each row; `tokens[i]` are row i's new tokens
         (rows of one token first, for the batch-invariant split). `ids`: a decode step's token
         ids already on the device (`[S]`, one a row), read in place of `tokens`' values."""
+        if self.graphs is not None:
+            replayed: torch.Tensor | None = self.graphs.replay(tokens, rows, ids)
+            if replayed is not None:
+                return replayed
         sizes = [len(t) for t in tokens]
-        if self.graphs is not None and all(size == 1 for size in sizes) and self.graphs.fits_decode(len(rows)):
-            return self.graphs.replay_decode([t[0] for t in tokens], rows, ids)  # type: ignore[no-any-return]
-        if self.graphs is not None and len(rows) == 1 and self.graphs.fits_prefill(sizes[0]):
-            return self.graphs.replay_prefill(tokens[0], rows[0])  # type: ignore[no-any-return]
         step = self._inputs(rows, sizes)
         if ids is not None:
             assert ids.shape == (len(rows),) and all(size == 1 for size in sizes), "device ids: one per decode row"

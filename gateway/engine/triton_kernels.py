@@ -65,22 +65,25 @@ def decode(Q, K, V, Part, Lse, rows, q_start, g_start, g_len,
     tl.store(Lse + slot, lse, mask=mask_g)
 
 @triton.jit
-def combine(Part, Lse, O, rows, q_start, sot, soh, DIM: tl.constexpr,
+def combine(Part, Lse, O, rows, q_start, q_len, sot, soh, DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
-    token = tl.load(q_start + tl.load(rows + row))
+    seq = tl.load(rows + row)
+    token = tl.load(q_start + seq)
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < DIM
+    out_mask = offs_d < tl.where(tl.load(q_len + seq) > 0, DIM, 0)  # a padding row (no query) writes nothing
     lse = tl.load(Lse + (row * heads + head) * SPLITS + offs_s)
     m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - m)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # no keys at all: a padding row
     part = tl.load(Part + ((row * heads + head) * SPLITS + offs_s)[:, None] * DIM + offs_d[None, :],
                    mask=mask_d[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(O + token * sot + head * soh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + token * sot + head * soh + offs_d, out.to(O.dtype.element_ty), mask=out_mask)
 
 @triton.jit
 def prefill(Q, K, V, O, tile_seq, tile_first, q_start, q_len,

@@ -38,7 +38,7 @@ def warm_up(runner: ModelRunner, chunk_tokens: int, max_batch: int, cuda_graphs:
         graphs = StepGraphs(runner, max_batch)
         try:
             graphs.capture()
-            runner.graphs = graphs
+            runner.use_graphs(graphs)
         except Exception:  # a model whose forward cannot be captured still serves, eagerly
             log.warning("CUDA graph capture failed; decode runs eagerly", exc_info=True)
     if runner.device.type == "cuda":

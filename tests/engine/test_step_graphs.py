@@ -1,0 +1,70 @@
+"""Steps replayed from captured graphs (engine/cuda_graphs.py): decode steps, prompt chunks alone,
+and decode rows beside prompt chunks give the tokens the eager engine gives, a hit, a miss and a
+bypass still agree, and with `batch_invariant` batched still equals alone. On a machine without a
+GPU a graph re-runs its step on the same static buffers (through Triton's interpreter), so the
+buffers, padding and layouts are what is checked here; on CUDA the graphs are real."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engine.cuda_graphs import StepGraphs
+from gateway.serving.runtime import Runtime
+from tests.engine.conftest import generate
+from tests.engine.test_batching import QUESTIONS, body, run_together
+
+pytest.importorskip("triton")
+SIZES = (16, 32)  # small buckets and batches: the interpreter runs every padding row and tile
+SMALL = {"attention_backend": "triton", "max_batch": 4}
+
+
+def use_graphs(runtime: Runtime) -> StepGraphs:
+    engine = runtime.engine
+
+    def capture() -> StepGraphs:
+        graphs = StepGraphs(engine.runner, engine.max_batch, SIZES)
+        graphs.capture()
+        engine.runner.use_graphs(graphs)
+        return graphs
+
+    return engine.call(capture).result()  # type: ignore[no-any-return]
+
+
+def test_on_graphs_a_hit_a_miss_and_a_bypass_give_the_eager_engines_tokens(runtime_for, merchant_tools):
+    runtime = runtime_for("llama", batch_invariant=False, **SMALL)
+    request = body(merchant_tools[:2], "Refunds?", max_tokens=6)
+    eager = generate(runtime, request, bypass=True)
+    graphs = use_graphs(runtime)
+    miss, hit, bypass = generate(runtime, request), generate(runtime, request), generate(runtime, request, bypass=True)
+    assert (miss.prefilled.result, hit.prefilled.result) == ("miss", "hit")
+    assert miss.finished.token_ids == hit.finished.token_ids == bypass.finished.token_ids == eager.finished.token_ids
+    assert graphs.replays["chunks"] >= 3 and graphs.replays["decode"] >= 15  # the suffix chunk, each decode step
+
+
+def test_decode_rows_beside_prompt_chunks_replay_one_graph_and_keep_each_requests_tokens(runtime_for, merchant_tools):
+    """Requests of different lengths at once: the short prompts decode while the long ones still
+    prefill (one step of both, replayed); each gets the tokens it gets alone on the eager engine,
+    and the cached group is unharmed by the padding (a hit after gives the same tokens). A model
+    with a sliding window, so the window reaches the kernels too."""
+    runtime = runtime_for("mistral-window", batch_invariant=False, prefill_chunk_tokens=16, **SMALL)
+    tools = merchant_tools[:2]
+    requests = [body(tools, q, max_tokens=5 + i) for i, q in enumerate((QUESTIONS[4], QUESTIONS[2], QUESTIONS[3]))]
+    generate(runtime, body(tools, "warm", max_tokens=1))
+    alone = [generate(runtime, r).finished.token_ids for r in requests]
+    graphs = use_graphs(runtime)
+    together = run_together(runtime, [(r, False) for r in requests])
+    assert [run.finished.token_ids for run in together] == alone
+    assert graphs.replays["mixed"] >= 1
+    assert generate(runtime, requests[0]).finished.token_ids == alone[0]
+
+
+def test_on_graphs_batch_invariant_requests_batched_give_their_tokens_alone(runtime_for, merchant_tools):
+    """A chunk alone runs its padded graph; batched, it runs eagerly over as many rows."""
+    runtime = runtime_for("qwen2", batch_invariant=True, **SMALL)
+    graphs = use_graphs(runtime)
+    requests = [body(merchant_tools[:2], q, max_tokens=5) for q in ("hi", "Top sellers?", "Stock of item 7?")]
+    alone = [generate(runtime, r) for r in requests]
+    together = run_together(runtime, [(r, False) for r in requests])
+    assert [run.finished.token_ids for run in together] == [run.finished.token_ids for run in alone]
+    assert [run.text for run in together] == [run.text for run in alone]
+    assert graphs.replays["chunks"] >= 3 and "mixed" not in graphs.replays
