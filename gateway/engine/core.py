@@ -11,9 +11,10 @@ The step loop (`_run`), in order:
    prompt chunks within the step's token budget, a fair share for each tenant (scheduler.py,
    model_runner.py);
 5. sample (the plain greedy rows in one batched argmax on the device, the others per sequence),
-   emit text, and finish sequences that are done. A step of every running sequence's decode row,
-   all plain greedy, may instead start a run of steps each launched before the last one is read
-   (`decode_overlap`, `_decode_ahead`).
+   emit text, and finish sequences that are done: what a step's output does to each sequence is
+   outputs.py's. A step of every running sequence's decode row, all plain greedy, may instead
+   start a run of steps each launched before the last one is read (`decode_overlap`,
+   `_decode_ahead`).
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
 sequences' steps) and stores them, starting from the longest prefix it shares with a cached group
@@ -24,7 +25,7 @@ when it ends, its prompt's KV is kept as a record for its conversation's next tu
 operations on the same numbers, so their output is identical (model_runner.py says why). A cached
 group whose logits come out NaN or infinite (a poisoned file passes its checksum when its writer
 had write access) is dropped and the request recomputed; only a model that gives non-finite
-logits by itself fails.
+logits by itself fails (outputs.py).
 """
 
 from __future__ import annotations
@@ -34,31 +35,18 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from gateway.engine import fused_layers
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
-from gateway.engine.events import (
-    Failed,
-    Finished,
-    Job,
-    Prefilled,
-    Task,
-    TooLarge,
-)
+from gateway.engine.events import Job, Task, TooLarge
 from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
-from gateway.engine.sampling import (
-    GreedyPicks,
-    NonFiniteLogits,
-    SamplingParams,
-    all_finite,
-    greedy_picks,
-    on_host,
-)
+from gateway.engine.outputs import OutputProcessor
+from gateway.engine.sampling import GreedyPicks, SamplingParams
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
@@ -69,8 +57,6 @@ from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.store import PrefixStore
 
 log = logging.getLogger(__name__)
-
-FIRST_TOKEN_HANDOFF_S = 0.05
 
 
 class Engine:
@@ -104,13 +90,12 @@ class Engine:
                                     conversation_reuse=conversation_reuse, pool_only=self.runner.reads_pool_only)
         self._intake = Intake(max_queue)
         self._running: list[Sequence] = []
+        self._outputs = OutputProcessor(self._running, self.cache, info.eos_ids, self._readmit)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
         self._steps = StepLog()
         self.num_steps = 0
         self.num_cancelled = 0  # sequences stopped because their client went away
         self.num_preempted = 0
-        self.constrained_tokens = 0
-        self.constraint_s = 0.0
         self.decode_steps = 0
         self.decode_s = 0.0
 
@@ -199,12 +184,22 @@ class Engine:
     def busy(self) -> bool:
         return bool(self._running)
 
+    @property
+    def constrained_tokens(self) -> int:
+        """Tokens sampled under a grammar."""
+        return self._outputs.constrained_tokens
+
+    @property
+    def constraint_s(self) -> float:
+        """Time the grammars took (masks and following) for those tokens."""
+        return self._outputs.constraint_s
+
     # ---- the step loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
         while self._intake.take(bool(self._running), self._run_task):
             try:
-                self._intake.admit(self._running, self.max_batch, self._admit_one, self._fail_job)
+                self._intake.admit(self._running, self.max_batch, self._admit_one, self._outputs.fail_job)
                 self._drop_cancelled()
                 plan = self.scheduler.plan(self._running)
                 if plan:
@@ -212,7 +207,7 @@ class Engine:
             except Exception as exc:  # a fault of the loop itself: what runs fails, the engine serves on
                 log.exception("engine step failed")
                 for seq in list(self._running):
-                    self._fail(seq, exc)
+                    self._outputs.fail(seq, exc)
         for seq in self._running:
             seq.release()
         self._running.clear()
@@ -229,7 +224,7 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.job.cancelled.is_set()]:
             self.num_cancelled += 1
-            self._retire(seq)
+            self._outputs.retire(seq)
 
     def _step(self, plan: StepPlan) -> None:
         """One forward over the decode rows (first: the batch-invariant split wants them there) and
@@ -247,7 +242,7 @@ class Engine:
             logits = self.runner.forward(tokens, rows)  # type: ignore[arg-type]
         except Exception as exc:
             for seq in seqs:
-                self._fail(seq, exc)
+                self._outputs.fail(seq, exc)
             return
         # While the device computes (kernel launches return at once on CUDA), the CPU computes the
         # grammar masks of the rows sampled from these logits.
@@ -258,9 +253,9 @@ class Engine:
                 seq.sampler.prepare_mask()
         decoded = len(plan.decode)
         for index, (seq, _, end) in enumerate(plan.prefill):
-            self._chunk_done(seq, end, logits[decoded + index], started)
+            self._outputs.chunk_done(seq, end, logits[decoded + index], started)
         if plan.decode:
-            self._decode(plan.decode, logits[:decoded])
+            self._outputs.decode(plan.decode, logits[:decoded])
             self.decode_s += time.perf_counter() - started
             self.decode_steps += 1
         self.num_steps += 1
@@ -297,13 +292,7 @@ class Engine:
                 self.ahead_steps += 1
             read = picks.read()
             for i in alive:
-                seq, (token, finite) = seqs[i], read[i]
-                try:
-                    if not finite:
-                        raise NonFiniteLogits("the model produced non-finite logits")
-                    self._take(seq, token)
-                except Exception as exc:  # this row only, as in _decode
-                    self._fail(seq, exc)
+                self._outputs.take_greedy(seqs[i], *read[i])  # a row that fails fails alone
             now = time.perf_counter()
             self.decode_s += now - last_read
             self.decode_steps += 1
@@ -346,138 +335,11 @@ class Engine:
             self.cache.start_compiling(seq)
         return seq
 
-    # ---- running -----------------------------------------------------------------------------
-
-    def _decode(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each decode row: the plain greedy ones on the device, the others per sequence,
-        from one copy of their rows."""
-        picked = greedy_picks(logits, [i for i, seq in enumerate(seqs) if seq.sampler.plain])
-        others = [i for i in range(len(seqs)) if i not in picked]
-        host = dict(zip(others, on_host(logits[others]) if others else (), strict=True))
-        for index, seq in enumerate(seqs):
-            try:
-                if index in picked:
-                    token, finite = picked[index]
-                    if not finite:
-                        raise NonFiniteLogits("the model produced non-finite logits")
-                    self._take(seq, token)
-                else:
-                    self._advance(seq, host[index])
-            except Exception as exc:  # non-finite logits, a grammar that refused a token: this one only
-                self._fail(seq, exc)
-
-    def _chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, started: float) -> None:
-        try:
-            if seq.phase is Phase.PROMPT:
-                seq.forward_s += time.perf_counter() - started
-            seq.computed = end
-            if seq.phase is Phase.GROUP and end == seq.group_len:
-                self._group_done(seq)
-            elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
-                self._prompt_done(seq, logits if seq.sampler.plain else on_host(logits))
-        except Exception as exc:
-            self._fail(seq, exc)
-
-    def _group_done(self, seq: Sequence) -> None:
-        seq.phase = Phase.PROMPT
-        seq.computed = seq.rest_from  # an earlier turn's KV may already be in the own run
-        seq.compile_s = time.perf_counter() - seq.compile_started
-        if seq.result != "miss" or seq.key is None:
-            return  # a bypass keeps its group to itself
-        seq.entry = self.cache.store_group(seq)
-        log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", seq.job.group_id or "-",
-                 seq.group_len, seq.compile_s, seq.entry.num_bytes / 1e6)
-        if seq.job.warm is not None:
-            self._retire(seq)
-            seq.job.warm.set_result((seq.entry, False))
-
-    def _prompt_done(self, seq: Sequence, logits: torch.Tensor) -> None:
-        if not all_finite(logits):
-            if seq.result == "hit" and seq.entry is not None:
-                self.cache.quarantine(seq.entry, "its KV gave non-finite logits")
-                self._recompute(seq)
-                return
-            raise _NonFinite("the model gave non-finite logits on a plain prefill")
-        now = time.perf_counter()
-        job = seq.job
-        job.emit(Prefilled(len(seq.prompt), seq.reused, seq.result, seq.tier, 0.0, seq.compile_s,
-                           now - seq.admitted_at, seq.forward_s,
-                           seq.admitted_at - job.submitted if job.submitted else 0.0, seq.lookup_s))
-        seq.phase = Phase.DECODE
-        if job.params.max_tokens <= 0:  # the answer is wholly forced (e.g. a call with no arguments)
-            self._finish(seq, "length", 0)
-            return
-        self._advance(seq, logits)
-
-    def _recompute(self, seq: Sequence) -> None:
-        """Start `seq` again, computing its group privately (its cached copy was bad)."""
-        self._retire(seq)
-        again = self._admit_one(seq.job, recompute=True)
+    def _readmit(self, job: Job) -> None:
+        """Admit `job` again, computing its group privately (its cached copy was bad); held ahead
+        of every other job when it does not fit now."""
+        again = self._admit_one(job, recompute=True)
         if again is HOLD:
-            self._intake.hold_first(seq.job)
+            self._intake.hold_first(job)
         elif again is not None:
             self._running.append(again)
-
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
-        token = seq.sampler.next_token(logits)
-        if seq.sampler.constraint is not None:
-            self.constrained_tokens += 1
-            self.constraint_s += seq.sampler.constraint_s
-        self._take(seq, token)
-
-    def _take(self, seq: Sequence, token: int) -> None:
-        """`token` is the next token of `seq`: emit its text, and finish or queue it."""
-        job = seq.job
-        seq.generated += 1
-        if token in self.info.eos_ids:
-            self._finish(seq, "stop", seq.generated - 1)
-            return
-        delta = seq.stream.push(token)
-        if seq.sampler.last_logprob is not None:  # (after the end-of-sequence check: that one is no answer's)
-            seq.logprobs.hold(seq.sampler.last_logprob, seq.stream.text_chars)
-        if delta or seq.stream.stopped:
-            seq.emit_text(delta, seq.stream.emitted_chars)
-        if delta and job.first_token_sent is not None and not seq.first_token_handed_off:
-            seq.first_token_handed_off = True
-            job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
-        if seq.stream.stopped:
-            self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
-            job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids), seq.stream.stopped_by))
-            return
-        if seq.generated >= job.params.max_tokens:
-            self._finish(seq, "length", job.params.max_tokens)
-            return
-        seq.next_token = token
-
-    def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
-        self._retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
-        seq.emit_text(seq.stream.flush(), None)
-        seq.job.emit(Finished(reason, count, tuple(seq.stream.token_ids)))
-
-    def _retire(self, seq: Sequence, keep_turn: bool = False) -> None:
-        """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
-        (after the group) as a conversation record first."""
-        if seq not in self._running:
-            return  # retired already (a row that failed after it finished): its blocks went back once
-        if keep_turn:
-            self.cache.keep_turn(seq)
-        self._running.remove(seq)
-        self.cache.retire(seq)
-        seq.release()
-
-    def _fail(self, seq: Sequence, exc: Exception) -> None:
-        self._retire(seq)  # before the event, as for a finish
-        self._fail_job(seq.job, exc)
-
-    def _fail_job(self, job: Job, exc: Exception) -> None:
-        log.error("generation failed", exc_info=exc)
-        if job.warm is not None:
-            job.warm.set_exception(exc)
-            return
-        # The client sees no exception text: it may hold a path or other server detail.
-        job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
-
-
-class _NonFinite(RuntimeError):
-    pass
