@@ -125,7 +125,8 @@ class Settings(BaseSettings):
     batch_invariant: bool | None = Field(None, description="a sequence's tokens never depend on what else is batched "
                                                            "with it, bitwise (default: on for the CPU, off on a GPU, "
                                                            "where it costs one matrix product per sequence)")
-    cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (triton backend)")
+    cuda_graphs: bool = Field(True, description="replay steps of up to 512 tokens (decode rows, short prompt chunks) "
+                              "from CUDA graphs captured at start-up (triton backend)")
     decode_overlap: bool | None = Field(None, description="launch each decode step of plain greedy rows before "
                                                           "reading the last one's tokens (its token ids go from the "
                                                           "device's argmax straight in), so sampling and streaming "
