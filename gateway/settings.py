@@ -125,8 +125,12 @@ class Settings(BaseSettings):
     batch_invariant: bool | None = Field(None, description="a sequence's tokens never depend on what else is batched "
                                                            "with it, bitwise (default: on for the CPU, off on a GPU, "
                                                            "where it costs one matrix product per sequence)")
-    cuda_graphs: bool = Field(True, description="replay steps of up to 512 tokens (decode rows, short prompt chunks) "
-                              "from CUDA graphs captured at start-up (triton backend)")
+    cuda_graphs: bool = Field(True, description="replay decode steps and short steps of prompt chunks from CUDA "
+                                                "graphs captured at start-up (triton backend)")
+    cuda_graph_max_tokens: int = Field(512, ge=0, le=4096,
+                                       description="the largest step with prompt chunks replayed from a CUDA graph "
+                                                   "(token buckets 16, 32, 64, ... up to it; larger steps run "
+                                                   "eagerly); 0: decode steps only")
     decode_overlap: bool | None = Field(None, description="launch each decode step of plain greedy rows before "
                                                           "reading the last one's tokens (its token ids go from the "
                                                           "device's argmax straight in), so sampling and streaming "

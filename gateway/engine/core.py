@@ -64,7 +64,7 @@ class Engine:
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
                  max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,
-                 backend: Backend = "torch", batch_invariant: bool = True, cuda_graphs: bool = False,
+                 backend: Backend = "torch", batch_invariant: bool = True, graph_tokens: int | None = None,
                  fused: bool = False, overlap: bool = False) -> None:
         assert info.identity is not None and info.pool_shape is not None, "the engine needs a loaded model's info"
         self.model = model
@@ -81,7 +81,8 @@ class Engine:
             fused_layers.unfuse(model)
         self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
         self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
-        self.cuda_graphs = cuda_graphs and backend == "triton" and device.type == "cuda"
+        # CUDA graphs, of chunk steps up to this many tokens (None: none; engine/cuda_graphs.py)
+        self.graph_tokens = graph_tokens if backend == "triton" and device.type == "cuda" else None
         self.overlap = overlap  # decode steps launched one ahead (_decode_ahead)
         self.ahead_steps = 0  # decode steps launched before the one before them was read
         self.scheduler = Scheduler(chunk_tokens, batch_invariant)
@@ -103,7 +104,7 @@ class Engine:
 
     def start(self) -> None:
         """Warm up, then serve: the runtime (and so `/health`) is ready only after this."""
-        warm_up(self.runner, self.scheduler.chunk_tokens, self.max_batch, self.cuda_graphs)
+        warm_up(self.runner, self.scheduler.chunk_tokens, self.max_batch, self.graph_tokens)
         if self.overlap and self.device.type == "cuda" and self.runner.graphs is None:
             # An eager step copies its inputs from pageable memory, which waits for the step in
             # flight: nothing would overlap, and a row's step past its end would still be paid.

@@ -4,7 +4,7 @@ A step with the Triton backend launches a few thousand small kernels (transforme
 op at a time): ~35 ms of host time per forward of an 8B model on the kit's H100, whatever its
 size. Steps whose launch shapes depend only on a bucket are captured once and replayed:
 - a decode step of B rows, one token each (buckets 1, 2, 4, 8, then every 8 up to `max_rows`);
-- a step with prompt chunks of up to `FLAT_BUCKETS[-1]` tokens in all, padded up to its bucket:
+- a step with prompt chunks of up to `cuda_graph_max_tokens` (512) in all, padded up to its bucket:
   one graph of chunks alone (a hit's suffix, an agent's new messages) and one of decode rows
   beside chunks (a new request joining running ones), per bucket. With `batch_invariant`, whose
   linears run per sequence, only a chunk alone is replayed, and an eager chunk's linears are
@@ -37,7 +37,9 @@ from gateway.engine.model_runner import ModelRunner, RowKV, StepInputs, layout_c
 
 log = logging.getLogger(__name__)
 
-FLAT_BUCKETS = (16, 32, 64, 128, 256, 512)
+def flat_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Token buckets of steps with prompt chunks: 16, 32, 64, ... up to `max_tokens`."""
+    return tuple(16 << i for i in range(12) if 16 << i <= max_tokens)
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -88,7 +90,7 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, max_rows: int, flat_sizes: tuple[int, ...] = FLAT_BUCKETS) -> None:
+    def __init__(self, runner: ModelRunner, max_rows: int, flat_sizes: tuple[int, ...] = flat_buckets(512)) -> None:
         self.runner = runner
         self.max_rows = max_rows
         self.invariant = runner.batch_invariant

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gateway.engine.chunks import chunk_ends, next_end
-from gateway.engine.cuda_graphs import StepGraphs
+from gateway.engine.cuda_graphs import StepGraphs, flat_buckets
 from gateway.engine.events import TooLarge
 from gateway.engine.model_runner import ModelRunner, RowKV
 from gateway.kvcache.entry import CacheEntry
@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the engine calls into this module; only its type is needed 
 log = logging.getLogger(__name__)
 
 
-def warm_up(runner: ModelRunner, chunk_tokens: int, max_batch: int, cuda_graphs: bool) -> None:
+def warm_up(runner: ModelRunner, chunk_tokens: int, max_batch: int, graph_tokens: int | None) -> None:
+    """`graph_tokens`: capture CUDA graphs, of chunk steps up to that many tokens (None: none)."""
     started = time.perf_counter()
     pool = runner.pool
     chunk = max(1, min(chunk_tokens, pool.num_blocks * pool.block_tokens - 1))
@@ -34,8 +35,8 @@ def warm_up(runner: ModelRunner, chunk_tokens: int, max_batch: int, cuda_graphs:
             runner.forward([[0]], [RowKV(None, run, chunk, chunk)])
         finally:
             run.release()
-    if cuda_graphs:
-        graphs = StepGraphs(runner, max_batch)
+    if graph_tokens is not None:
+        graphs = StepGraphs(runner, max_batch, flat_buckets(graph_tokens))
         try:
             graphs.capture()
             runner.use_graphs(graphs)

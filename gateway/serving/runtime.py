@@ -104,7 +104,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
                     max_batch=plan.max_batch, turn_opening=opening,
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
-                    batch_invariant=plan.batch_invariant, cuda_graphs=settings.cuda_graphs, fused=plan.fused,
+                    batch_invariant=plan.batch_invariant, graph_tokens=plan.graph_tokens, fused=plan.fused,
                     overlap=plan.overlap)
     context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
@@ -135,11 +135,14 @@ class EnginePlan:
     max_batch: int
     fused: bool = False
     overlap: bool = False  # decode steps launched one ahead (engine/core.py `_decode_ahead`)
+    graph_tokens: int | None = None  # CUDA graphs, of chunk steps up to this many tokens (None: none)
 
     @property
     def kernels(self) -> str:
-        """What decides the KV bits besides the model and the chunks, for the cache key."""
-        return f"{self.backend}{'-fused' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}"
+        """What decides the KV bits besides the model and the chunks, for the cache key (a chunk
+        replayed from a graph runs its products over its bucket's rows)."""
+        graphs = f"-graphs{self.graph_tokens}" if self.graph_tokens else ""
+        return f"{self.backend}{'-fused' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}{graphs}"
 
 
 def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> EnginePlan:
@@ -155,8 +158,9 @@ def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> 
     invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
     fused = settings.fused_layers and (model is None or fused_layers.supports(model))
     overlap = settings.decode_overlap if settings.decode_overlap is not None else gpu
+    graphs = settings.cuda_graph_max_tokens if settings.cuda_graphs and backend == "triton" and gpu else None
     return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
-                      settings.max_batch or (64 if gpu else 8), fused, overlap)
+                      settings.max_batch or (64 if gpu else 8), fused, overlap, graphs)
 
 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:

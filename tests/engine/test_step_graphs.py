@@ -7,9 +7,11 @@ buffers, padding and layouts are what is checked here; on CUDA the graphs are re
 from __future__ import annotations
 
 import pytest
+import torch
 
-from gateway.engine.cuda_graphs import StepGraphs
-from gateway.serving.runtime import Runtime
+from gateway.engine.cuda_graphs import StepGraphs, flat_buckets
+from gateway.serving.runtime import Runtime, engine_plan
+from gateway.settings import load_settings
 from tests.engine.conftest import generate
 from tests.engine.test_batching import QUESTIONS, body, run_together
 
@@ -68,3 +70,15 @@ def test_on_graphs_batch_invariant_requests_batched_give_their_tokens_alone(runt
     assert [run.finished.token_ids for run in together] == [run.finished.token_ids for run in alone]
     assert [run.text for run in together] == [run.text for run in alone]
     assert graphs.replays["chunks"] >= 3 and "mixed" not in graphs.replays
+
+
+def test_the_graphs_of_chunk_steps_are_in_the_cache_key_where_they_are_captured():
+    """A chunk replayed from a graph rounds over its bucket's rows: KV computed with graphs of one
+    size is never served to a server with other graphs, or none (CUDA only: the CPU has none)."""
+    def kernels(device: str, **overrides: object) -> str:
+        return engine_plan(load_settings(overrides=overrides, environ={}), torch.device(device)).kernels
+
+    assert kernels("cuda").endswith("-graphs512") and kernels("cuda", cuda_graph_max_tokens=100).endswith("-graphs100")
+    assert "graphs" not in kernels("cuda", cuda_graphs=False) + kernels("cuda", cuda_graph_max_tokens=0)
+    assert "graphs" not in kernels("cpu") + kernels("cpu", attention_backend="triton")
+    assert (flat_buckets(512), flat_buckets(100), flat_buckets(0)) == ((16, 32, 64, 128, 256, 512), (16, 32, 64), ())
