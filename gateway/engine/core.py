@@ -10,11 +10,11 @@ The step loop (`_run`), in order:
 4. run one step: one forward over a flat batch of the decoding sequences' next tokens and the
    prompt chunks within the step's token budget, a fair share for each tenant (scheduler.py,
    model_runner.py);
-5. sample (the plain greedy rows in one batched argmax on the device, the others per sequence),
-   emit text, and finish sequences that are done: what a step's output does to each sequence is
-   outputs.py's. A step of every running sequence's decode row, all plain greedy, may instead
-   start a run of steps each launched before the last one is read (`decode_overlap`,
-   `_decode_ahead`).
+5. sample (rows with nothing but greedy or temperature + top-p: all at once on the device; the
+   others per sequence), emit text, and finish sequences that are done: what a step's output
+   does to each sequence is outputs.py's. A step of every running sequence's decode row, all
+   chosen on the device, may instead start a run of steps each launched before the last one is
+   read (`decode_overlap`, `_decode_ahead`).
 
 A hit reads the stored group's blocks in place; a miss computes them (in chunks, between other
 sequences' steps) and stores them, starting from the longest prefix it shares with a cached group
@@ -46,7 +46,7 @@ from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.outputs import OutputProcessor
-from gateway.engine.sampling import GreedyPicks, SamplingParams
+from gateway.engine.sampling import GreedyPicks, SamplingParams, device_picks
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
@@ -232,7 +232,7 @@ class Engine:
         the prompt chunks; chunks are handled first, so a new request's first token waits for no
         sampling of the others."""
         if (self.overlap and not plan.prefill and len(plan.decode) == len(self._running)
-                and all(seq.sampler.plain for seq in plan.decode)):
+                and all(seq.sampler.plain or seq.sampler.on_device for seq in plan.decode)):
             self._decode_ahead(plan.decode)
             return
         started = time.perf_counter()
@@ -264,13 +264,13 @@ class Engine:
                                    time.perf_counter() - started))
 
     def _decode_ahead(self, seqs: list[Sequence]) -> None:
-        """Decode steps of plain greedy rows back to back, each launched before the tokens of the
-        one before it are read: its token ids are that step's argmax, copied on the device, so the
-        host's reading, detokenizing and streaming overlap the next forward (on CUDA, where a
-        launch returns at once). A row's inputs are those `_step` would give it; a step launched
-        ahead still holds the rows that end on the token being read, so its batch can be larger
-        than `_step`'s, which changes rounding only where batches do (not with
-        `batch_invariant`; never for a request alone).
+        """Decode steps of rows chosen on the device (plain greedy or plain sampled) back to back,
+        each launched before the tokens of the one before it are read: its token ids are that
+        step's picks (`device_picks`), copied on the device, so the host's reading, detokenizing
+        and streaming overlap the next forward (on CUDA, where a launch returns at once). A row's
+        inputs are those `_step` would give it; a step launched ahead still holds the rows that
+        end on the token being read, so its batch can be larger than `_step`'s, which changes
+        rounding only where batches do (not with `batch_invariant`; never for a request alone).
 
         The run starts from a step of every running sequence (`_step` checks), and a step is
         launched ahead only while nothing else waits that could run (`_may_run_ahead`) and no row
@@ -322,7 +322,8 @@ class Engine:
             index = torch.tensor(rows, pin_memory=after.is_cuda)
             ids = after[index.to(after.device, non_blocking=True)]
         rows_kv = [seq.row(1, ahead=int(after is not None)) for seq in seqs]
-        return GreedyPicks.start(self.runner.forward(tokens, rows_kv, ids))  # type: ignore[arg-type]
+        return device_picks(self.runner.forward(tokens, rows_kv, ids),  # type: ignore[arg-type]
+                            [seq.sampler for seq in seqs])
 
     # ---- admission ---------------------------------------------------------------------------
 

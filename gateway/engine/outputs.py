@@ -1,9 +1,9 @@
 """What a step's output does to each sequence it computed (engine thread only): a group's last
 chunk stores the group, a prompt's last chunk sends `Prefilled` and samples the first token, a
-decode row samples the next one (plain greedy rows: the device's argmax, `GreedyPicks`); each
-token's text is emitted, and a sequence that is done (end of sequence, a stop string,
-`max_tokens`) or fails is retired: out of the running batch, its blocks back to the pool, before
-its client hears it is done.
+decode row samples the next one (greedy or temperature + top-p with nothing else to apply: on the
+device, all such rows at once, `device_picks`); each token's text is emitted, and a sequence that
+is done (end of sequence, a stop string, `max_tokens`) or fails is retired: out of the running
+batch, its blocks back to the pool, before its client hears it is done.
 
 A prompt whose cached group gives non-finite logits (a poisoned file passes its checksum when its
 writer had write access) has the group dropped and is restarted with the group computed privately
@@ -22,7 +22,7 @@ import torch
 
 from gateway.engine.cache_manager import KVCacheManager
 from gateway.engine.events import Failed, Finished, Job, Prefilled
-from gateway.engine.sampling import NonFiniteLogits, all_finite, greedy_picks, on_host
+from gateway.engine.sampling import NonFiniteLogits, all_finite, on_host, picks_of
 from gateway.engine.sequence import Phase, Sequence
 
 log = logging.getLogger("gateway.engine.core")  # the engine's logger, as before this module was split off
@@ -43,9 +43,10 @@ class OutputProcessor:
     # ---- a step's rows -----------------------------------------------------------------------
 
     def decode(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each decode row: the plain greedy ones on the device, the others per sequence,
-        from one copy of their rows."""
-        picked = greedy_picks(logits, [i for i, seq in enumerate(seqs) if seq.sampler.plain])
+        """Sample each decode row: the plain greedy and plain sampled ones on the device, all at
+        once; the others per sequence, from one copy of their rows."""
+        samplers = [seq.sampler for seq in seqs]
+        picked = picks_of(logits, samplers, [i for i, s in enumerate(samplers) if s.plain or s.on_device])
         others = [i for i in range(len(seqs)) if i not in picked]
         host = dict(zip(others, on_host(logits[others]) if others else (), strict=True))
         for index, seq in enumerate(seqs):
@@ -58,7 +59,8 @@ class OutputProcessor:
                 self.fail(seq, exc)
 
     def take_greedy(self, seq: Sequence, token: int, finite: int) -> None:
-        """`token` is the device's argmax for `seq`'s row; `finite`: whether that row's logits were (1/0)."""
+        """`token` is the device's pick for `seq`'s row (argmax or sample); `finite`: whether that
+        row's logits were (1/0)."""
         try:
             if not finite:
                 raise NonFiniteLogits("the model produced non-finite logits")
@@ -75,7 +77,8 @@ class OutputProcessor:
             if seq.phase is Phase.GROUP and end == seq.group_len:
                 self._group_done(seq)
             elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
-                self._prompt_done(seq, logits if seq.sampler.plain else on_host(logits))
+                on_device = seq.sampler.plain or seq.sampler.on_device
+                self._prompt_done(seq, logits if on_device else on_host(logits))
         except Exception as exc:
             self.fail(seq, exc)
 

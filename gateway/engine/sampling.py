@@ -81,13 +81,41 @@ class GreedyPicks:
         return list(zip(*self.host.tolist(), strict=True))
 
 
-def greedy_picks(logits: torch.Tensor, rows: list[int]) -> dict[int, tuple[int, int]]:
-    """For the plain greedy `rows` of a step's logits: each one's argmax and whether the row is
-    finite (1/0), by one argmax on the device and one transfer for all."""
+def device_picks(logits: torch.Tensor, samplers: list[Sampler]) -> GreedyPicks:
+    """Each row's next token, chosen on the logits' device for all rows at once: the argmax for a
+    plain greedy row, temperature + top-p sampling for a row sampled on the device (every sampler
+    is one or the other): one argmax over the rows' scores and one transfer."""
+    sampled = [i for i, sampler in enumerate(samplers) if not sampler.plain]
+    if not sampled:
+        return GreedyPicks.start(logits)
+    scores = logits.to(torch.float32, copy=True)  # the step's logits stay as they are
+    scores[sampled] = sample_scores(logits[sampled], [samplers[i] for i in sampled])
+    return GreedyPicks.start(scores)
+
+
+def picks_of(logits: torch.Tensor, samplers: list[Sampler], rows: list[int]) -> dict[int, tuple[int, int]]:
+    """For the `rows` of a step's logits chosen on the device (`device_picks`): each one's token
+    and whether its logits were finite (1/0)."""
     if not rows:
         return {}
     picked = logits if len(rows) == logits.shape[0] else logits[rows]
-    return dict(zip(rows, GreedyPicks.start(picked).read(), strict=True))
+    return dict(zip(rows, device_picks(picked, [samplers[i] for i in rows]).read(), strict=True))
+
+
+def sample_scores(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Scores whose row argmax is a sample of each row's distribution (temperature, then the top-p
+    nucleus): the probabilities over noise drawn from each sequence's own generator, Exp(1) per
+    token (the exponential race: the argmax of p_i / q_i is token i with probability p_i). Every
+    step is per row, so a row's token never depends on the others batched with it."""
+    device = logits.device
+    temperature = torch.tensor([s.params.temperature for s in samplers], dtype=torch.float32, device=device)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    if any(s.params.top_p < 1.0 for s in samplers):
+        probs = nucleus_rows(probs, [s.params.top_p for s in samplers])
+    noise = torch.empty_like(probs)
+    for row, sampler in zip(noise, samplers, strict=True):
+        row.exponential_(generator=sampler.noise_generator(device))
+    return probs / noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a draw of 0 would make an infinity
 
 
 def on_host(logits: torch.Tensor) -> torch.Tensor:
@@ -120,6 +148,7 @@ class Sampler:
         self._penalize = bool(params.frequency_penalty or params.presence_penalty)
         self._counts: torch.Tensor | None = None  # per token: how often this sequence sampled it
         self.last_logprob: TokenLogprob | None = None  # the last token's, when `params.logprobs`
+        self._noise: torch.Generator | None = None  # `noise_generator`'s
 
     @property
     def plain(self) -> bool:
@@ -128,9 +157,29 @@ class Sampler:
         return (self.params.temperature < GREEDY_BELOW and self._bias is None and not self._penalize
                 and not self.params.logprobs and self.constraint is None)
 
+    @property
+    def on_device(self) -> bool:
+        """Temperature (and top-p) with nothing else to apply: the token is sampled on the logits'
+        device, many rows at once (`device_picks`)."""
+        return (self.params.temperature >= GREEDY_BELOW and self._bias is None and not self._penalize
+                and not self.params.logprobs and self.constraint is None)
+
+    def noise_generator(self, device: torch.device) -> torch.Generator:
+        """This sequence's random stream on `device` for sampling there: seeded like the sampler
+        (the request's `seed`, else a random one), so a seed repeats its tokens."""
+        if self._noise is None or self._noise.device != device:
+            self._noise = torch.Generator(device=device)
+            self._noise.manual_seed(self.generator.initial_seed())
+        return self._noise
+
     def next_token(self, logits: torch.Tensor) -> int:
         """`logits`: [vocab] for the last position. Non-finite logits raise NonFiniteLogits
         (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
+        if self.on_device:  # as it is sampled in a batch
+            token, finite = device_picks(logits[None], [self]).read()[0]
+            if not finite:
+                raise NonFiniteLogits("the model produced non-finite logits")
+            return token
         if not all_finite(logits):
             raise NonFiniteLogits("the model produced non-finite logits")
         logits = self._adjusted(logits)
@@ -207,6 +256,32 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 TOP_P_HEAD = 256  # the most likely tokens sorted first; the whole vocabulary only if they fall short
+
+
+def nucleus_rows(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """`probs [rows, vocab]` with each row cut to its top-p nucleus (not renormalised: only their
+    ratios matter to the sampler); a row with top_p 1 is kept whole. On the CPU a row sorts only
+    its `TOP_P_HEAD` likeliest tokens when they reach its top_p (`_top_p`'s reason); a GPU sorts
+    every row whole (no host read in the way)."""
+    p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+    out = torch.zeros_like(probs)
+    whole = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+    if probs.device.type == "cpu" and probs.shape[-1] > TOP_P_HEAD:
+        head, order = torch.topk(probs, TOP_P_HEAD, dim=-1)
+        whole = head.sum(-1) < p[:, 0]
+        inside = ~whole
+        if bool(inside.any()):
+            out[inside] = _nucleus_of(probs[inside], head[inside], order[inside], p[inside])
+    if bool(whole.any()):
+        sorted_probs, order = torch.sort(probs[whole], dim=-1, descending=True)
+        out[whole] = _nucleus_of(probs[whole], sorted_probs, order, p[whole])
+    return out
+
+
+def _nucleus_of(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p) | (p >= 1.0)
+    keep[:, 0] = True  # the top token always stays, even when top_p underflows float32 to 0
+    return torch.zeros_like(probs).scatter(1, order, torch.where(keep, sorted_probs, 0.0))
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

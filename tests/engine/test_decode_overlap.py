@@ -160,3 +160,19 @@ def test_steps_are_launched_ahead_while_jobs_wait_for_a_full_batch(runtime_for, 
     engine._launch = recording  # type: ignore[method-assign]
     assert [run.finished for run in run_together(runtime, [(r, False) for r in batch])] == expected
     assert max(waiting) > 0  # launched ahead with jobs in the intake
+
+
+def test_sampled_rows_are_launched_ahead_too_and_a_seed_gives_the_same_tokens(runtime_for, merchant_tools):
+    """Temperature and top-p rows are sampled on the device with the greedy ones, so they run ahead
+    as well: seeded requests, together and alone, give the tokens they give with every step read
+    first."""
+    tools = merchant_tools[:3]
+    sampled = [plain(tools, q, 24, temperature=0.9, top_p=0.95, seed=3 + i)
+               for i, q in enumerate(("What was GMV last week?", "Refunds?", "Top sellers?"))]
+    sampled.append(plain(tools, "hi", 20))  # greedy beside them
+    steps, ahead = runtime_for("llama", decode_overlap=False), runtime_for("llama", decode_overlap=True)
+    expected = [generate(steps, r).finished for r in sampled]
+    assert [generate(ahead, r).finished for r in sampled[:3]] == expected[:3]
+    assert ahead.engine.ahead_steps > 0  # sampled rows alone ran ahead
+    together = run_together(ahead, [(r, False) for r in sampled])
+    assert [run.finished.token_ids for run in together] == [f.token_ids for f in expected]

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.engine.sampling import HeldLogprobs, Sampler, SamplingParams, TokenLogprob, penalized
+from gateway.engine.sampling import (
+    HeldLogprobs,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    _top_p,
+    device_picks,
+    nucleus_rows,
+    penalized,
+)
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-10])
@@ -117,3 +126,48 @@ def test_top_p_sorting_only_the_likeliest_tokens_gives_the_full_sorts_nucleus(sc
     full = _nucleus(probs, *torch.sort(probs, descending=True), top_p)
     assert torch.allclose(_top_p(probs, top_p), full, atol=1e-7)
     assert int((full > 0).sum()) >= 1
+
+
+def _draws(sampler: Sampler, logits: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor([sampler.next_token(logits) for _ in range(count)]), minlength=len(logits))
+
+
+def test_sampling_on_the_device_follows_temperature_and_the_nucleus():
+    """The exponential race draws each token as often as its probability says: temperature
+    first, then top-p keeps the likeliest tokens up to p and never the others."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplingParams(4, temperature=1.0, seed=11))
+    assert sampler.on_device
+    counts = _draws(sampler, logits, 4000).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    nucleus = _draws(Sampler(SamplingParams(4, temperature=1.0, top_p=0.6, seed=11)), logits, 2000)
+    assert nucleus[2:].sum() == 0 and abs(nucleus[0] / 2000 - 0.5 / 0.8) < 0.04  # {0, 1}, renormalised
+    hot = _draws(Sampler(SamplingParams(4, temperature=2.0, seed=11)), logits, 4000).float() / 4000
+    flattened = torch.softmax(logits / 2.0, dim=-1)
+    assert torch.allclose(hot, flattened, atol=0.03)
+
+
+def test_a_row_sampled_with_others_gets_the_token_it_gets_alone():
+    """Batched sampling is per row: a seeded request's tokens do not depend on its neighbours,
+    whose top_p (1, a head of the likeliest tokens, or the whole sorted vocabulary) differ."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 49152, generator=generator) * torch.tensor([[4.0], [0.05], [2.0], [1.0]])
+    params = [SamplingParams(8, 0.9, 0.9, seed=5), SamplingParams(8, 1.3, 0.999, seed=6),
+              SamplingParams(8, 0.7, 1.0, seed=7), SamplingParams(8, 1.0, 0.5, seed=8)]
+    alone = [[Sampler(p).next_token(row) for _ in range(1)] for p, row in zip(params, logits, strict=True)]
+    samplers = [Sampler(p) for p in params]
+    batched = device_picks(logits, samplers).read()
+    assert [[token] for token, _ in batched] == alone
+    assert all(finite for _, finite in batched)
+
+
+def test_the_nucleus_of_many_rows_is_each_rows_own():
+    """On the CPU a row sorts only its head when that reaches top_p, else the whole vocabulary;
+    either way the nucleus is the one a full sort gives."""
+    probs = torch.softmax(torch.randn(3, 49152, generator=torch.Generator().manual_seed(9))
+                          * torch.tensor([[6.0], [0.05], [3.0]]), dim=-1)
+    top_p = [0.9, 0.95, 1.0]
+    cut = nucleus_rows(probs, top_p)
+    for row, p, kept in zip(probs, top_p, cut, strict=True):
+        expected = row if p >= 1.0 else _top_p(row, p) * row[_top_p(row, p) > 0].sum()
+        assert torch.equal(kept > 0, expected > 0)
