@@ -131,9 +131,10 @@ class Settings(BaseSettings):
                                        description="the largest step with prompt chunks replayed from a CUDA graph "
                                                    "(token buckets 16, 32, 64, ... up to it; larger steps run "
                                                    "eagerly); 0: decode steps only")
-    decode_overlap: bool | None = Field(None, description="launch each decode step of plain greedy rows before "
-                                                          "reading the last one's tokens (its token ids go from the "
-                                                          "device's argmax straight in), so sampling and streaming "
+    decode_overlap: bool | None = Field(None, description="launch each decode step of rows chosen on the device "
+                                                          "(greedy, or temperature and top-p alone) before reading "
+                                                          "the last one's tokens (its token ids go from the device's "
+                                                          "picks straight in), so reading and streaming "
                                                           "overlap the forward (default: on for CUDA with CUDA "
                                                           "graphs, off on the CPU, where a launch is the whole step)")
     fused_layers: bool = Field(True, description="run each decoder layer of a Llama, Mistral, Qwen2 or Qwen3 model "
