@@ -88,9 +88,18 @@ def device_picks(logits: torch.Tensor, samplers: list[Sampler]) -> GreedyPicks:
     sampled = [i for i, sampler in enumerate(samplers) if not sampler.plain]
     if not sampled:
         return GreedyPicks.start(logits)
+    rows = staged(sampled, torch.long, logits.device)
     scores = logits.to(torch.float32, copy=True)  # the step's logits stay as they are
-    scores[sampled] = sample_scores(logits[sampled], [samplers[i] for i in sampled])
+    scores.index_copy_(0, rows, sample_scores(logits.index_select(0, rows), [samplers[i] for i in sampled]))
     return GreedyPicks.start(scores)
+
+
+def staged(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: on CUDA through pinned memory
+    (a copy from pageable memory would wait for the step in flight, which a step launched ahead
+    must not)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def picks_of(logits: torch.Tensor, samplers: list[Sampler], rows: list[int]) -> dict[int, tuple[int, int]]:
@@ -108,7 +117,7 @@ def sample_scores(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor
     token (the exponential race: the argmax of p_i / q_i is token i with probability p_i). Every
     step is per row, so a row's token never depends on the others batched with it."""
     device = logits.device
-    temperature = torch.tensor([s.params.temperature for s in samplers], dtype=torch.float32, device=device)
+    temperature = staged([s.params.temperature for s in samplers], torch.float32, device)
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
     if any(s.params.top_p < 1.0 for s in samplers):
         probs = nucleus_rows(probs, [s.params.top_p for s in samplers])
@@ -263,15 +272,16 @@ def nucleus_rows(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     ratios matter to the sampler); a row with top_p 1 is kept whole. On the CPU a row sorts only
     its `TOP_P_HEAD` likeliest tokens when they reach its top_p (`_top_p`'s reason); a GPU sorts
     every row whole (no host read in the way)."""
-    p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+    p = staged(top_p, probs.dtype, probs.device)[:, None]
+    if probs.device.type != "cpu" or probs.shape[-1] <= TOP_P_HEAD:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        return _nucleus_of(probs, sorted_probs, order, p)
     out = torch.zeros_like(probs)
-    whole = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
-    if probs.device.type == "cpu" and probs.shape[-1] > TOP_P_HEAD:
-        head, order = torch.topk(probs, TOP_P_HEAD, dim=-1)
-        whole = head.sum(-1) < p[:, 0]
-        inside = ~whole
-        if bool(inside.any()):
-            out[inside] = _nucleus_of(probs[inside], head[inside], order[inside], p[inside])
+    head, order = torch.topk(probs, TOP_P_HEAD, dim=-1)
+    whole = head.sum(-1) < p[:, 0]
+    inside = ~whole
+    if bool(inside.any()):
+        out[inside] = _nucleus_of(probs[inside], head[inside], order[inside], p[inside])
     if bool(whole.any()):
         sorted_probs, order = torch.sort(probs[whole], dim=-1, descending=True)
         out[whole] = _nucleus_of(probs[whole], sorted_probs, order, p[whole])
