@@ -66,7 +66,9 @@ class _Replayable(Protocol):
 
 
 class _Rerun:
-    """A step "captured" without CUDA: replaying runs it again on the same static buffers."""
+    """A step "captured" without CUDA, or whose capture failed: replaying runs it again on the same
+    static buffers (the same padded shapes and kernels, so the same numbers as a graph would give:
+    the cache key, which names the graphs, stays true)."""
 
     def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
         self._run = run
@@ -115,6 +117,7 @@ class StepGraphs:
         self._decode: dict[int, _Graph] = {}
         self._flat: dict[tuple[int, bool], _Graph] = {}  # (tokens, with decode rows)
         self.replays: Counter[str] = Counter()  # "decode", "chunks", "mixed"
+        self.num_failed = 0  # buckets whose capture failed (run eagerly, padded the same way)
         self.num_bytes = 0  # the graphs' private memory pool, once captured
 
     # ---- capture -----------------------------------------------------------------------------
@@ -158,12 +161,19 @@ class StepGraphs:
         tiles = step.layout.num_tiles if step.layout is not None else 0
         sampled = last.shape[0] if last is not None else size
         logits = self.runner.run(*args)  # compiles kernels, settles the allocator
+        rerun = _Graph(_Rerun(lambda: self.runner.run(*args), logits), logits, decode, tiles, sampled)
         if self.runner.device.type != "cuda":
-            return _Graph(_Rerun(lambda: self.runner.run(*args), logits), logits, decode, tiles, sampled), None
+            return rerun, pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool):
-            logits = self.runner.run(*args)
-        return _Graph(graph, logits, decode, tiles, sampled), graph.pool() if pool is None else pool
+        try:
+            with torch.cuda.graph(graph, pool):
+                captured = self.runner.run(*args)
+        except Exception:  # this bucket only: the others keep their graphs
+            log.warning("CUDA graph capture failed for a step of %d tokens (%d decode rows); it runs the same "
+                        "padded step eagerly", size, decode, exc_info=True)
+            self.num_failed += 1
+            return rerun, pool
+        return _Graph(graph, captured, decode, tiles, sampled), graph.pool() if pool is None else pool
 
     def _tiles_for(self, size: int) -> int:
         """Prompt tiles a step of `size` tokens can have: its tokens in tiles, plus one partial
@@ -199,19 +209,19 @@ class StepGraphs:
             return None
         else:
             size = bucket_of(self.flat_sizes, total)
-            mixed = sizes[0] == 1
+            mixed = 1 in sizes  # a decode row, or a one-token chunk (the decode kernel's, wherever it is)
             graph = self._flat.get((size, mixed)) if size is not None else None
             kind = "mixed" if mixed else "chunks"
-        if graph is None or size is None:
+        if graph is None or not self._write_step(tokens, rows, sizes, graph):
             return None
-        self._write_step(tokens, rows, sizes, graph)
         if ids is not None:
             self._ids[0, :len(rows)].copy_(ids)
         graph.replayable.replay()
         self.replays[kind] += 1
         return graph.logits[:len(rows)]
 
-    def _write_step(self, tokens: list[list[int]], rows: list[RowKV], sizes: list[int], graph: _Graph) -> None:
+    def _write_step(self, tokens: list[list[int]], rows: list[RowKV], sizes: list[int], graph: _Graph) -> bool:
+        """Write the step into the static buffers; False (nothing written) if it does not fit."""
         ids = [t for chunk in tokens for t in chunk]
         positions = [row.position + i for row, size in zip(rows, sizes, strict=True) for i in range(size)]
         slots = [row.own.token_start + row.own_len + i for row, size in zip(rows, sizes, strict=True)
@@ -219,12 +229,14 @@ class StepGraphs:
         decode = [i for i, size in enumerate(sizes) if size == 1]
         tiles = [(i, first) for i, size in enumerate(sizes) if size > 1
                  for first in range(0, size, attention.PREFILL_BLOCK_M)]
-        assert len(decode) <= graph.decode and len(tiles) <= graph.tiles and len(rows) <= graph.sampled
+        if len(decode) > graph.decode or len(tiles) > graph.tiles or len(rows) > graph.sampled:
+            return False
         ends, total = [], 0
         for size in sizes:
             total += size
             ends.append(total - 1)
         self._write(ids, positions, slots, layout_columns(rows, sizes), decode, tiles, ends)
+        return True
 
     def _write(self, ids: list[int], positions: list[int], slots: list[int], columns: list[list[int]],
                decode: list[int], tiles: list[tuple[int, int]], last: list[int]) -> None:

@@ -210,9 +210,10 @@ def _invariant_linear(split: _Split, layer: nn.Linear, x: torch.Tensor) -> torch
 
 
 def _chunk_linear(layer: nn.Linear, x: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    """One chunk's product, over the rows its graph alone has when that is more than its own."""
+    """One chunk's product, over the rows its graph alone has when that is more than its own (a
+    one-token chunk alone is a decode step's single row: never padded)."""
     size = x.shape[1]
-    padded = next((r for r in rows if r >= size), size)
+    padded = next((r for r in rows if r >= size), size) if size > 1 else size
     if padded == size:
         return nn.functional.linear(x, layer.weight, layer.bias)
     x = nn.functional.pad(x, (0, 0, 0, padded - size))

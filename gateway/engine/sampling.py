@@ -107,7 +107,7 @@ def picks_of(logits: torch.Tensor, samplers: list[Sampler], rows: list[int]) -> 
     and whether its logits were finite (1/0)."""
     if not rows:
         return {}
-    picked = logits if len(rows) == logits.shape[0] else logits[rows]
+    picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, staged(rows, torch.long, logits.device))
     return dict(zip(rows, device_picks(picked, [samplers[i] for i in rows]).read(), strict=True))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gateway.engine.cuda_graphs import StepGraphs, flat_buckets
+from gateway.engine.model_runner import RowKV
 from gateway.serving.runtime import Runtime, engine_plan
 from gateway.settings import load_settings
 from tests.engine.conftest import generate
@@ -82,3 +83,31 @@ def test_the_graphs_of_chunk_steps_are_in_the_cache_key_where_they_are_captured(
     assert "graphs" not in kernels("cuda", cuda_graphs=False) + kernels("cuda", cuda_graph_max_tokens=0)
     assert "graphs" not in kernels("cpu") + kernels("cpu", attention_backend="triton")
     assert (flat_buckets(512), flat_buckets(100), flat_buckets(0)) == ((16, 32, 64, 128, 256, 512), (16, 32, 64), ())
+
+
+@pytest.mark.parametrize("sizes", [(20, 1), (1, 20, 1)])
+def test_a_one_token_chunk_after_a_longer_one_replays_and_matches_the_eager_step(runtime_for, sizes):
+    """A prompt's last chunk can be one token, behind another sequence's longer chunk: the step
+    replays the graph with decode rows (the one-token row is the decode kernel's) and gives the
+    eager step's logits."""
+    runtime = runtime_for("llama", batch_invariant=False, **SMALL)
+    graphs = use_graphs(runtime)
+    runner = runtime.engine.runner
+    tokens = [list(range(7, 7 + size)) for size in sizes]
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        runs = [runner.pool.allocate(32) for _ in sizes]
+        rows = [RowKV(None, run, 0, 0) for run in runs if run is not None]
+        try:
+            replayed = runner.forward(tokens, rows).clone()
+            runner.graphs = None
+            return replayed, runner.forward(tokens, rows)
+        finally:
+            runner.graphs = graphs
+            for run in runs:
+                if run is not None:
+                    run.release()
+
+    replayed, eager = runtime.engine.call(both).result()
+    assert graphs.replays["mixed"] == 1 and replayed.shape == (len(sizes), eager.shape[1])
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
