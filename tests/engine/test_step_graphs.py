@@ -6,11 +6,16 @@ buffers, padding and layouts are what is checked here; on CUDA the graphs are re
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 import torch
 
+from gateway.engine import Finished, Prefilled
 from gateway.engine.cuda_graphs import StepGraphs, flat_buckets
 from gateway.engine.model_runner import RowKV
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime, engine_plan
 from gateway.settings import load_settings
 from tests.engine.conftest import generate
@@ -45,20 +50,39 @@ def test_on_graphs_a_hit_a_miss_and_a_bypass_give_the_eager_engines_tokens(runti
 
 
 def test_decode_rows_beside_prompt_chunks_replay_one_graph_and_keep_each_requests_tokens(runtime_for, merchant_tools):
-    """Requests of different lengths at once: the short prompts decode while the long ones still
-    prefill (one step of both, replayed); each gets the tokens it gets alone on the eager engine,
-    and the cached group is unharmed by the padding (a hit after gives the same tokens). A model
-    with a sliding window, so the window reaches the kernels too."""
+    """A request arrives while another decodes: the steps of its prompt chunks beside that decode
+    row are replayed, and each request gets the tokens it gets alone on the eager engine; the
+    cached group is unharmed by the padding (a hit after gives the same tokens). A model with a
+    sliding window, so the window reaches the kernels too."""
     runtime = runtime_for("mistral-window", batch_invariant=False, prefill_chunk_tokens=16, **SMALL)
     tools = merchant_tools[:2]
-    requests = [body(tools, q, max_tokens=5 + i) for i, q in enumerate((QUESTIONS[4], QUESTIONS[2], QUESTIONS[3]))]
+    long, short = (body(tools, q, max_tokens=n, tool_choice="none") for q, n in ((QUESTIONS[4], 24), (QUESTIONS[2], 4)))
     generate(runtime, body(tools, "warm", max_tokens=1))
-    alone = [generate(runtime, r).finished.token_ids for r in requests]
+    alone = [generate(runtime, r).finished.token_ids for r in (long, short)]
+    assert len(alone[0]) == 24  # it decodes all along
     graphs = use_graphs(runtime)
-    together = run_together(runtime, [(r, False) for r in requests])
-    assert [run.finished.token_ids for run in together] == alone
+
+    async def main() -> list[tuple[int, ...]]:
+        decoding = asyncio.Event()
+        first = asyncio.create_task(_tokens(runtime, long, decoding))
+        await decoding.wait()
+        second = await _tokens(runtime, short)
+        return [await first, second]
+
+    assert asyncio.run(main()) == alone
     assert graphs.replays["mixed"] >= 1
-    assert generate(runtime, requests[0]).finished.token_ids == alone[0]
+    assert generate(runtime, short).finished.token_ids == alone[1]
+
+
+async def _tokens(runtime: Runtime, request: dict[str, Any], decoding: asyncio.Event | None = None) -> tuple[int, ...]:
+    """A request's tokens; `decoding` is set once its first token is chosen (it decodes from then)."""
+    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))
+    async for event in runtime.service.events(prepared):
+        if isinstance(event, Prefilled) and decoding is not None:
+            decoding.set()
+        elif isinstance(event, Finished):
+            return event.token_ids
+    raise AssertionError("no Finished event")
 
 
 def test_on_graphs_batch_invariant_requests_batched_give_their_tokens_alone(runtime_for, merchant_tools):
