@@ -333,8 +333,13 @@ def _engine_of(version: Any) -> dict[str, Any]:
     engine = version.get("engine") if isinstance(version, dict) else None
     if not isinstance(engine, dict):
         return {}
+    graphs = ""
+    if engine.get("cuda_graphs"):
+        chunks = engine.get("cuda_graph_max_tokens")
+        graphs = f", CUDA graphs (decode{f', chunk steps up to {chunks} tokens' if chunks else ''})"
     backend = (f"{engine.get('backend')}{', fused layers' if engine.get('fused_layers') else ''}"
-               f"{', batch invariant' if engine.get('batch_invariant') else ''}")
+               f"{', batch invariant' if engine.get('batch_invariant') else ''}{graphs}"
+               f"{', decode steps launched ahead' if engine.get('decode_overlap') else ''}")
     return {"device": engine.get("device"), "dtype": engine.get("dtype"), "backend": backend}
 
 

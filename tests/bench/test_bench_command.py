@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from gateway.bench.command import _engine_of
 from gateway.cli.main import main
 from tests.support.server import LiveServer
 
@@ -187,3 +188,14 @@ def test_decode_of_one_stream_is_reported_in_ms_per_token(run):
     assert per_token[0] <= single["decode_ms_per_token"]["p50"] <= per_token[-1]
     line = next(line for line in stdout.splitlines() if line.startswith("single: decode, one stream at a time: "))
     assert f"{single['decode_ms_per_token']['p50']:,.1f} ms/token p50" in line
+
+
+def test_the_report_names_the_graphs_and_the_steps_launched_ahead_that_a_gpu_server_runs():
+    """A GPU run's A/B (graphs of chunk steps off, decode steps read one by one) reads apart in the
+    report: the backend line says what the server's /version says it runs."""
+    engine = {"device": "cuda:0", "dtype": "bfloat16", "backend": "triton", "fused_layers": True,
+              "batch_invariant": False, "cuda_graphs": True, "cuda_graph_max_tokens": 512, "decode_overlap": True}
+    assert _engine_of({"engine": engine})["backend"] == (
+        "triton, fused layers, CUDA graphs (decode, chunk steps up to 512 tokens), decode steps launched ahead")
+    engine.update(cuda_graph_max_tokens=0, decode_overlap=False)
+    assert _engine_of({"engine": engine})["backend"] == "triton, fused layers, CUDA graphs (decode)"
