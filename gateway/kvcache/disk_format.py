@@ -126,16 +126,39 @@ def identity_fields(identity: CacheIdentity) -> dict[str, str]:
 
 def encode(entry: CacheEntry, identity: CacheIdentity) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors (contiguous, on CPU) and header metadata to write for `entry`."""
-    tensors: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(entry.layers):
-        tensors[f"k.{i}"] = layer.keys.detach().to("cpu").contiguous()
-        tensors[f"v.{i}"] = layer.values.detach().to("cpu").contiguous()
+    names = [f"{kind}.{i}" for i in range(len(entry.layers)) for kind in ("k", "v")]
+    tensors = dict(zip(names, host_copies([t for layer in entry.layers for t in layer.tensors()], entry.computed),
+                       strict=True))
     layers = tuple({"dtype": _dtype_name(layer.keys.dtype), "keys_shape": list(layer.keys.shape),
                     "values_shape": list(layer.values.shape), "cumulative_length": layer.cumulative_length}
                    for layer in entry.layers)
     header = Header(identity_fields(identity), entry.key.digest, entry.key.token_ids, entry.group_id,
                     entry.tool_names, entry.created_at, entry.compile_s, layers, sha256="")
     return tensors, header.signed(tensors.values()).to_metadata()
+
+
+def host_copies(tensors: list[torch.Tensor], computed: Any = None) -> list[torch.Tensor]:
+    """Contiguous CPU copies of `tensors`. CUDA ones are copied on a stream of their own into
+    pinned memory, after `computed` (an event recorded once they were; else after what the device
+    has queued now): a copy on the engine's stream would hold back every step queued after it for
+    the whole transfer (hundreds of MB for an 8B model's tool group), and a first transfer into
+    fresh pageable memory pays its page faults there too."""
+    if not any(t.is_cuda for t in tensors):
+        return [t.detach().to("cpu").contiguous() for t in tensors]
+    device = next(t.device for t in tensors if t.is_cuda)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    if computed is not None:
+        stream.wait_event(computed)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    copies = []
+    with torch.cuda.stream(stream):
+        for tensor in tensors:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            host.copy_(tensor.detach(), non_blocking=True)
+            copies.append(host)
+    stream.synchronize()
+    return copies
 
 
 def check_key(header: Header, key: PrefixKey, identity: CacheIdentity) -> None:

@@ -38,6 +38,9 @@ class CacheEntry:
     # The pool blocks `layers` are views of (None: tensors of their own, e.g. as read from disk).
     # Whoever keeps the entry (the RAM tier, a pending disk write) holds a reference to them.
     blocks: BlockRun | None = None
+    # On CUDA, an event recorded once the KV was computed: a background copy (the disk writer's)
+    # waits on it on a stream of its own, not on the engine's stream (`mark_computed`).
+    computed: torch.cuda.Event | None = None
 
     def __post_init__(self) -> None:
         if not self.num_bytes:
@@ -52,6 +55,12 @@ class CacheEntry:
     def matches(self, key: PrefixKey) -> bool:
         """Digest and the exact token ids must both agree (a digest alone is not trusted)."""
         return self.key.digest == key.digest and self.key.token_ids == key.token_ids
+
+    def mark_computed(self) -> None:
+        """Record, on the current stream, that the KV is computed (CUDA only: elsewhere it is)."""
+        if self.layers and self.layers[0].keys.is_cuda:
+            self.computed = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            self.computed.record()
 
     def retain(self) -> None:
         if self.blocks is not None:

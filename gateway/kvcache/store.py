@@ -100,6 +100,7 @@ class PrefixStore:
         if self._writer is None or self.disk is None or not self.disk.can_insert(entry):
             return
         entry.retain()  # a pending write reads the entry's blocks: keep them until it is done
+        entry.mark_computed()  # the write copies them off the GPU after this, beside the engine's steps
         if not self._writer.schedule(entry):
             entry.release()
             self._fault("backlog", f"disk write of {entry.group_id} dropped: writer backlog full")
