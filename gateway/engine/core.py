@@ -293,7 +293,7 @@ class Engine:
                 self.ahead_steps += 1
             read = picks.read()
             for i in alive:
-                self._outputs.take_greedy(seqs[i], *read[i])  # a row that fails fails alone
+                self._outputs.take_picked(seqs[i], *read[i])  # a row that fails fails alone
             now = time.perf_counter()
             self.decode_s += now - last_read
             self.decode_steps += 1

@@ -51,14 +51,14 @@ class OutputProcessor:
         host = dict(zip(others, on_host(logits[others]) if others else (), strict=True))
         for index, seq in enumerate(seqs):
             if index in picked:
-                self.take_greedy(seq, *picked[index])
+                self.take_picked(seq, *picked[index])
                 continue
             try:
                 self._advance(seq, host[index])
             except Exception as exc:  # a grammar that refused a token: this one only
                 self.fail(seq, exc)
 
-    def take_greedy(self, seq: Sequence, token: int, finite: int) -> None:
+    def take_picked(self, seq: Sequence, token: int, finite: int) -> None:
         """`token` is the device's pick for `seq`'s row (argmax or sample); `finite`: whether that
         row's logits were (1/0)."""
         try:
