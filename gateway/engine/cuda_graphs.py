@@ -27,13 +27,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
-from gateway.engine.model_runner import ModelRunner, RowKV, StepInputs, layout_columns
+from gateway.engine.model_runner import FlatStep, ModelRunner, RowKV, StepInputs, layout_columns
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +80,16 @@ class _Rerun:
             self._out.copy_(self._run())
 
 
+@dataclass(frozen=True, slots=True)
 class _Graph:
-    """One captured step: its launch capacities (decode rows, prompt tiles, sampled rows) and the
-    static logits its replay writes."""
+    """One captured step: the static logits its replay writes, and its launch capacities (decode
+    rows, prompt tiles, sampled rows)."""
 
-    def __init__(self, replayable: _Replayable, logits: torch.Tensor, decode: int, tiles: int, sampled: int) -> None:
-        self.replayable = replayable
-        self.logits = logits
-        self.decode = decode
-        self.tiles = tiles
-        self.sampled = sampled
+    replayable: _Replayable
+    logits: torch.Tensor
+    decode: int
+    tiles: int
+    sampled: int
 
 
 class StepGraphs:
@@ -192,13 +193,11 @@ class StepGraphs:
 
     # ---- replay ------------------------------------------------------------------------------
 
-    def replay(self, tokens: list[list[int]], rows: list[RowKV],
-               ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def replay(self, flat: FlatStep, rows: list[RowKV], ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits `[len(rows), vocab]` after the last token of each row, from a graph; None when
-        no graph fits the step. `tokens` as `ModelRunner.forward` takes them (rows of one token
-        first); `ids`: a decode step's token ids on the device, copied in after the host's."""
-        sizes = [len(t) for t in tokens]
-        total = sum(sizes)
+        no graph fits the step. `ids`: a decode step's token ids on the device, copied in after
+        the host's."""
+        total = len(flat.ids)
         if len(rows) > self.max_rows:
             return None
         if total == len(rows):
@@ -209,10 +208,10 @@ class StepGraphs:
             return None
         else:
             size = bucket_of(self.flat_sizes, total)
-            mixed = 1 in sizes  # a decode row, or a one-token chunk (the decode kernel's, wherever it is)
+            mixed = bool(flat.decode)  # a decode row, or a one-token chunk (the decode kernel's, wherever it is)
             graph = self._flat.get((size, mixed)) if size is not None else None
             kind = "mixed" if mixed else "chunks"
-        if graph is None or not self._write_step(tokens, rows, sizes, graph):
+        if graph is None or not self._write_step(flat, rows, graph):
             return None
         if ids is not None:
             self._ids[0, :len(rows)].copy_(ids)
@@ -220,22 +219,12 @@ class StepGraphs:
         self.replays[kind] += 1
         return graph.logits[:len(rows)]
 
-    def _write_step(self, tokens: list[list[int]], rows: list[RowKV], sizes: list[int], graph: _Graph) -> bool:
+    def _write_step(self, flat: FlatStep, rows: list[RowKV], graph: _Graph) -> bool:
         """Write the step into the static buffers; False (nothing written) if it does not fit."""
-        ids = [t for chunk in tokens for t in chunk]
-        positions = [row.position + i for row, size in zip(rows, sizes, strict=True) for i in range(size)]
-        slots = [row.own.token_start + row.own_len + i for row, size in zip(rows, sizes, strict=True)
-                 for i in range(size)]
-        decode = [i for i, size in enumerate(sizes) if size == 1]
-        tiles = [(i, first) for i, size in enumerate(sizes) if size > 1
-                 for first in range(0, size, attention.PREFILL_BLOCK_M)]
-        if len(decode) > graph.decode or len(tiles) > graph.tiles or len(rows) > graph.sampled:
+        if len(flat.decode) > graph.decode or len(flat.tiles) > graph.tiles or len(rows) > graph.sampled:
             return False
-        ends, total = [], 0
-        for size in sizes:
-            total += size
-            ends.append(total - 1)
-        self._write(ids, positions, slots, layout_columns(rows, sizes), decode, tiles, ends)
+        self._write(flat.ids, flat.positions, flat.slots, layout_columns(rows, flat.sizes), flat.decode,
+                    flat.tiles, flat.last)
         return True
 
     def _write(self, ids: list[int], positions: list[int], slots: list[int], columns: list[list[int]],

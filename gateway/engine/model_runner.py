@@ -27,6 +27,7 @@ What the output may depend on (tests/engine/test_batching.py, test_cached_equals
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -267,20 +268,19 @@ class ModelRunner:
         """Logits `[S, vocab]` after the last token of each row; `tokens[i]` are row i's new tokens
         (rows of one token first, for the batch-invariant split). `ids`: a decode step's token
         ids already on the device (`[S]`, one a row), read in place of `tokens`' values."""
+        flat = FlatStep.of(tokens, rows)
         if self.graphs is not None:
-            replayed: torch.Tensor | None = self.graphs.replay(tokens, rows, ids)
+            replayed: torch.Tensor | None = self.graphs.replay(flat, rows, ids)
             if replayed is not None:
                 return replayed
-        sizes = [len(t) for t in tokens]
-        step = self._inputs(rows, sizes)
+        step = self._inputs(rows, flat)
         if ids is not None:
-            assert ids.shape == (len(rows),) and all(size == 1 for size in sizes), "device ids: one per decode row"
+            assert ids.shape == (len(rows),) and len(flat.ids) == len(rows), "device ids: one per decode row"
             ids = ids[None]
         else:
-            ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[row.position + i for row, size in zip(rows, sizes, strict=True)
-                                   for i in range(size)]], dtype=torch.long, device=self.device)
-        last = torch.tensor(_last_indices(sizes), dtype=torch.long, device=self.device)
+            ids = torch.tensor([flat.ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor([flat.positions], dtype=torch.long, device=self.device)
+        last = torch.tensor(flat.last, dtype=torch.long, device=self.device)
         return self.run(ids, positions, step, last)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
@@ -296,10 +296,10 @@ class ModelRunner:
         logits: torch.Tensor = out.logits[0]
         return logits
 
-    def _inputs(self, rows: list[RowKV], sizes: list[int]) -> StepInputs:
-        step = StepInputs(rows, sizes, self.pool)
+    def _inputs(self, rows: list[RowKV], flat: FlatStep) -> StepInputs:
+        step = StepInputs(rows, flat.sizes, self.pool)
         if self.backend == "triton":
-            step.layout, step.slots = build_layout(rows, sizes, self.device)
+            step.layout, step.slots = build_layout(rows, flat, self.device)
         return step
 
 
@@ -316,12 +316,31 @@ def _bind(split: _Split, layer: nn.Linear) -> Any:
     return forward
 
 
-def _last_indices(sizes: list[int]) -> list[int]:
-    ends, total = [], 0
-    for size in sizes:
-        total += size
-        ends.append(total - 1)
-    return ends
+@dataclass(frozen=True, slots=True)
+class FlatStep:
+    """A step's flat batch as host lists, what an eager pass and a graph's static buffers are both
+    written from: per token its id, position and pool slot; per row the index of its last token;
+    the rows of one token (the decode kernel's) and the prefill kernel's tiles (row, first query)."""
+
+    sizes: list[int]
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    last: list[int]
+    decode: list[int]
+    tiles: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, tokens: list[list[int]], rows: list[RowKV]) -> FlatStep:
+        sizes = [len(t) for t in tokens]
+        spans = list(zip(rows, sizes, strict=True))
+        ends = list(itertools.accumulate(sizes))
+        return cls(sizes, [t for chunk in tokens for t in chunk],
+                   [row.position + i for row, size in spans for i in range(size)],
+                   [row.own.token_start + row.own_len + i for row, size in spans for i in range(size)],
+                   [end - 1 for end in ends], [i for i, size in enumerate(sizes) if size == 1],
+                   [(i, first) for i, size in enumerate(sizes) if size > 1
+                    for first in range(0, size, attention.PREFILL_BLOCK_M)])
 
 
 def layout_columns(rows: list[RowKV], sizes: list[int]) -> list[list[int]]:
@@ -337,21 +356,14 @@ def layout_columns(rows: list[RowKV], sizes: list[int]) -> list[list[int]]:
     return columns
 
 
-def build_layout(rows: list[RowKV], sizes: list[int], device: torch.device) -> tuple[KVLayout, torch.Tensor]:
+def build_layout(rows: list[RowKV], flat: FlatStep, device: torch.device) -> tuple[KVLayout, torch.Tensor]:
     """The kernels' metadata for an eager step, and each new token's pool slot."""
-    columns = layout_columns(rows, sizes)
-    decode = [i for i, size in enumerate(sizes) if size == 1]
-    tile_seq, tile_first = [], []
-    for i, size in enumerate(sizes):
-        if size > 1:
-            for first in range(0, size, attention.PREFILL_BLOCK_M):
-                tile_seq.append(i)
-                tile_first.append(first)
-    table = torch.tensor([*columns, decode + [0] * (len(sizes) - len(decode))], dtype=torch.int32).to(device)
-    tiles = torch.tensor([tile_seq, tile_first], dtype=torch.int32).to(device)
-    slots = torch.tensor([row.own.token_start + row.own_len + i for row, size in zip(rows, sizes, strict=True)
-                          for i in range(size)], dtype=torch.long).to(device)
+    columns = layout_columns(rows, flat.sizes)
+    decode = flat.decode + [0] * (len(rows) - len(flat.decode))
+    table = torch.tensor([*columns, decode], dtype=torch.int32).to(device)
+    tiles = torch.tensor([[s for s, _ in flat.tiles], [f for _, f in flat.tiles]], dtype=torch.int32).to(device)
+    slots = torch.tensor(flat.slots, dtype=torch.long).to(device)
     layout = KVLayout(table[0], table[1], table[2], table[3], table[4], table[5], decode_rows=table[6],
                       tile_seq=tiles[0], tile_first=tiles[1],
-                      num_decode=len(decode), num_tiles=len(tile_seq))
+                      num_decode=len(flat.decode), num_tiles=len(flat.tiles))
     return layout, slots
