@@ -46,7 +46,7 @@ from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.outputs import OutputProcessor
-from gateway.engine.sampling import GreedyPicks, SamplingParams, device_picks
+from gateway.engine.sampling import GreedyPicks, SamplingParams, device_picks, staged
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import EngineStats, StepLog, StepRecord
@@ -313,14 +313,13 @@ class Engine:
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
 
     def _launch(self, seqs: list[Sequence], after: torch.Tensor | None, rows: list[int] | None = None) -> GreedyPicks:
-        """One decode step of `seqs`: their next tokens from the host, or the argmax `after` of the
+        """One decode step of `seqs`: their next tokens from the host, or the picks `after` of the
         step before (at its `rows`), one token past what the host has read."""
         tokens: list[list[int | None]] = [[seq.next_token] for seq in seqs]  # `ids`, when given, replace them
         ids = after
         if after is not None and rows is not None and len(rows) < after.shape[0]:
-            # rows that ended on the step being read are left out; pinned: no wait for the step in flight
-            index = torch.tensor(rows, pin_memory=after.is_cuda)
-            ids = after[index.to(after.device, non_blocking=True)]
+            # rows that ended on the step being read are left out (staged: no wait for the step in flight)
+            ids = after.index_select(0, staged(rows, torch.long, after.device))
         rows_kv = [seq.row(1, ahead=int(after is not None)) for seq in seqs]
         return device_picks(self.runner.forward(tokens, rows_kv, ids),  # type: ignore[arg-type]
                             [seq.sampler for seq in seqs])

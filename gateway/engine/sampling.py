@@ -1,13 +1,14 @@
 """Next-token choice (greedy, or temperature + top-p with an optional seed), with OpenAI's
-`logit_bias`, presence/frequency penalties and logprobs, and the text stream that turns tokens
-into text deltas while watching for stop sequences."""
+`logit_bias`, presence/frequency penalties and logprobs: on the device for many rows at once
+where nothing but temperature and top-p applies, else per sequence on the host. The text the
+tokens write is text_stream.py's."""
 
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation.logits_process import SequenceBiasLogitsProcessor
@@ -163,15 +164,18 @@ class Sampler:
     def plain(self) -> bool:
         """Greedy with nothing to apply (no bias, penalty, grammar or logprobs): the next token is
         the argmax of the logits, which the engine takes for many rows at once on the device."""
-        return (self.params.temperature < GREEDY_BELOW and self._bias is None and not self._penalize
-                and not self.params.logprobs and self.constraint is None)
+        return self._unadjusted and self.params.temperature < GREEDY_BELOW
 
     @property
     def on_device(self) -> bool:
         """Temperature (and top-p) with nothing else to apply: the token is sampled on the logits'
         device, many rows at once (`device_picks`)."""
-        return (self.params.temperature >= GREEDY_BELOW and self._bias is None and not self._penalize
-                and not self.params.logprobs and self.constraint is None)
+        return self._unadjusted and self.params.temperature >= GREEDY_BELOW
+
+    @property
+    def _unadjusted(self) -> bool:
+        """No bias, penalty, logprobs or grammar: the logits are used as they come."""
+        return self._bias is None and not self._penalize and not self.params.logprobs and self.constraint is None
 
     def noise_generator(self, device: torch.device) -> torch.Generator:
         """This sequence's random stream on `device` for sampling there: seeded like the sampler
@@ -268,10 +272,12 @@ TOP_P_HEAD = 256  # the most likely tokens sorted first; the whole vocabulary on
 
 
 def nucleus_rows(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """`probs [rows, vocab]` with each row cut to its top-p nucleus (not renormalised: only their
-    ratios matter to the sampler); a row with top_p 1 is kept whole. On the CPU a row sorts only
-    its `TOP_P_HEAD` likeliest tokens when they reach its top_p (`_top_p`'s reason); a GPU sorts
-    every row whole (no host read in the way)."""
+    """`probs [rows, vocab]` with each row cut to its top-p nucleus (the likeliest tokens whose
+    probabilities reach top_p; not renormalised: only their ratios matter to the sampler); a row
+    with top_p 1 is kept whole. The nucleus is a prefix of the tokens in order of probability, so
+    on the CPU a row sorts only its `TOP_P_HEAD` likeliest when they reach its top_p (nearly
+    always): a full sort of a 49k vocabulary cost 1-2 ms a token there, ~10 ms on a loaded
+    machine. A GPU sorts every row whole (no host read in the way)."""
     p = staged(top_p, probs.dtype, probs.device)[:, None]
     if probs.device.type != "cpu" or probs.shape[-1] <= TOP_P_HEAD:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
@@ -295,124 +301,6 @@ def _nucleus_of(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.Te
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus: the most likely tokens whose probabilities reach `top_p`, renormalised. The
-    nucleus is a prefix of the tokens in order of probability, so when the `TOP_P_HEAD` likeliest
-    reach `top_p` (nearly always) only they are sorted: a full sort of a 49k vocabulary cost 1-2 ms
-    a token here, ~10 ms on a loaded machine."""
-    if probs.numel() > TOP_P_HEAD:
-        head, order = torch.topk(probs, TOP_P_HEAD)
-        if float(head.sum()) >= top_p:
-            return _nucleus(probs, head, order, top_p)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    return _nucleus(probs, sorted_probs, order, top_p)
-
-
-def _nucleus(probs: torch.Tensor, sorted_probs: torch.Tensor, order: torch.Tensor, top_p: float) -> torch.Tensor:
-    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-    keep[0] = True  # the top token always stays, even when top_p underflows float32 to 0
-    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    """One row's nucleus (`nucleus_rows`), renormalised."""
+    filtered = nucleus_rows(probs[None], [top_p])[0]
     return filtered / filtered.sum()
-
-
-class HeldLogprobs:
-    """A sequence's token logprobs, each held until the text its token wrote has been sent: a
-    delta carries the logprobs of the tokens whose text ends in it. A stop sequence cuts the
-    text: the tokens that wrote some of what was sent go with the last delta, the others are
-    dropped (their text never reaches the client)."""
-
-    def __init__(self) -> None:
-        self._held: list[tuple[int, int, TokenLogprob]] = []  # (text start, text end, entry)
-        self._end = 0
-
-    def hold(self, entry: TokenLogprob, text_end: int) -> None:
-        self._held.append((self._end, text_end, entry))
-        self._end = text_end
-
-    def release(self, sent_chars: int | None, cut: bool = False) -> tuple[TokenLogprob, ...]:
-        """Those whose text is within the first `sent_chars` characters (None: all); `cut`: those
-        whose text starts there, and none is held any more."""
-        if not self._held:
-            return ()
-        if sent_chars is None or cut:
-            limit = len(self._held) if sent_chars is None else sum(
-                1 for start, end, _ in self._held if start < sent_chars or end <= sent_chars)
-            taken, self._held = self._held[:limit], []
-        else:
-            limit = next((i for i, (_, end, _) in enumerate(self._held) if end > sent_chars), len(self._held))
-            taken, self._held = self._held[:limit], self._held[limit:]
-        return tuple(entry for _, _, entry in taken)
-
-
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-class TextStream:
-    """Accumulates generated tokens; yields only text that is final (complete characters, and not
-    possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears;
-    `stopped_by` is that sequence (the first in the text; of two at one place, the first listed)."""
-
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...],
-                 special_ids: frozenset[int] = frozenset(), keep_ids: frozenset[int] = frozenset()) -> None:
-        self.decoder = decoder
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.emitted_chars = 0
-        self.text_chars = 0  # where the text written so far ends (see _written_chars)
-        self.stopped = False
-        self.stopped_by: str | None = None
-        # Special tokens are dropped from the text, except the family's tool-call markers (a
-        # Mistral model writes `[TOOL_CALLS]` as one special token, and the parser needs it).
-        self.keep_ids = keep_ids
-        self.hidden_ids = special_ids - keep_ids
-        self._visible: list[int] = []
-
-    def push(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
-        if token_id not in self.hidden_ids:
-            self._visible.append(token_id)
-        text = self._text()
-        self.text_chars = _written_chars(text)
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character is not complete yet
-        end = self._stop_at(text)
-        if end is not None:
-            self.stopped = True
-            return self._take(text, end)
-        return self._take(text, len(text) - self.holdback)
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        text = self._text()
-        return self._take(text, len(text))
-
-    def _text(self) -> str:
-        if not self.keep_ids:
-            return self.decoder.decode(self.token_ids, skip_special_tokens=True)
-        return self.decoder.decode(self._visible, skip_special_tokens=False)
-
-    def _stop_at(self, text: str) -> int | None:
-        start = max(0, self.emitted_chars - self.holdback)
-        hits = [(i, n) for n, i in enumerate(text.find(s, start) for s in self.stop) if i >= 0]
-        if not hits:
-            return None
-        at, which = min(hits)
-        self.stopped_by = self.stop[which]
-        return at
-
-    def _take(self, text: str, end: int) -> str:
-        if end <= self.emitted_chars:
-            return ""
-        delta = text[self.emitted_chars : end]
-        self.emitted_chars = end
-        return delta
-
-
-def _written_chars(text: str) -> int:
-    """Where `text` ends; a character not complete yet (decoded as U+FFFD) counts as written: the
-    token that began it ends inside it, and is sent with it."""
-    complete = text.rstrip("\ufffd")
-    return len(complete) + (complete != text)

@@ -21,7 +21,8 @@ from gateway.engine.chunks import next_end
 from gateway.engine.events import CacheResult, Job, TextDelta
 from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
-from gateway.engine.sampling import HeldLogprobs, Sampler, TextStream
+from gateway.engine.sampling import Sampler
+from gateway.engine.text_stream import HeldLogprobs, TextStream
 from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey

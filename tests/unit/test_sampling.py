@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from gateway.engine.sampling import (
-    HeldLogprobs,
     Sampler,
     SamplingParams,
     TokenLogprob,
-    _top_p,
+    _nucleus_of,
     device_picks,
     nucleus_rows,
     penalized,
 )
+from gateway.engine.text_stream import HeldLogprobs
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-10])
@@ -112,7 +112,7 @@ def test_held_logprobs_go_with_the_text_that_ends_their_token_and_a_stop_drops_t
 
 
 def test_a_partial_character_ends_where_the_character_does():
-    from gateway.engine.sampling import _written_chars
+    from gateway.engine.text_stream import _written_chars
 
     assert _written_chars("ab") == 2 and _written_chars("ab\ufffd") == 3 and _written_chars("ab\ufffd\ufffd") == 3
 
@@ -120,10 +120,11 @@ def test_a_partial_character_ends_where_the_character_does():
 @pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (the whole vocabulary is sorted) to peaked
 @pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
 def test_top_p_sorting_only_the_likeliest_tokens_gives_the_full_sorts_nucleus(scale, top_p):
-    from gateway.engine.sampling import _nucleus, _top_p
+    from gateway.engine.sampling import _top_p
 
     probs = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(7)) * scale, dim=-1)
-    full = _nucleus(probs, *torch.sort(probs, descending=True), top_p)
+    full = _nucleus_of(probs[None], *torch.sort(probs[None], descending=True), torch.tensor([[top_p]]))[0]
+    full = full / full.sum()
     assert torch.allclose(_top_p(probs, top_p), full, atol=1e-7)
     assert int((full > 0).sum()) >= 1
 
@@ -169,5 +170,5 @@ def test_the_nucleus_of_many_rows_is_each_rows_own():
     top_p = [0.9, 0.95, 1.0]
     cut = nucleus_rows(probs, top_p)
     for row, p, kept in zip(probs, top_p, cut, strict=True):
-        expected = row if p >= 1.0 else _top_p(row, p) * row[_top_p(row, p) > 0].sum()
+        expected = _nucleus_of(row[None], *torch.sort(row[None], descending=True), torch.tensor([[p]]))[0]
         assert torch.equal(kept > 0, expected > 0)
