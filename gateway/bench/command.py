@@ -336,7 +336,9 @@ def _engine_of(version: Any) -> dict[str, Any]:
     graphs = ""
     if engine.get("cuda_graphs"):
         chunks = engine.get("cuda_graph_max_tokens")
-        graphs = f", CUDA graphs (decode{f', chunk steps up to {chunks} tokens' if chunks else ''})"
+        eager = engine.get("cuda_graphs_eager")
+        graphs = (f", CUDA graphs (decode{f', chunk steps up to {chunks} tokens' if chunks else ''}"
+                  f"{f'; {eager} failed to capture and run eagerly' if eager else ''})")
     backend = (f"{engine.get('backend')}{', fused layers' if engine.get('fused_layers') else ''}"
                f"{', batch invariant' if engine.get('batch_invariant') else ''}{graphs}"
                f"{', decode steps launched ahead' if engine.get('decode_overlap') else ''}")

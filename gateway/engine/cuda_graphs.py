@@ -34,7 +34,7 @@ import torch
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
-from gateway.engine.model_runner import FlatStep, ModelRunner, RowKV, StepInputs, layout_columns
+from gateway.engine.model_runner import FlatStep, ModelRunner, RowKV, StepInputs, aligned, layout_columns
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,11 @@ class StepGraphs:
         self.invariant = runner.batch_invariant
         self.decode_sizes = buckets(max_rows)
         self.flat_sizes = tuple(b for b in flat_sizes if b < runner.pool.scratch_token)
-        self.width = max(max_rows, *self.flat_sizes, 1)  # tokens
-        self.columns = max_rows + 1  # layout columns: the rows, then (at least) one padding column
-        self.max_tiles = max((self._tiles_for(size) for size in self.flat_sizes), default=0)
+        self.width = aligned(max(max_rows, *self.flat_sizes, 1))  # tokens
+        # layout columns: the rows, then (at least) one padding column; each table row 16-byte
+        # aligned, as an eager step's (model_runner.aligned): the kernels compile one variant
+        self.columns = aligned(max_rows + 1)
+        self.max_tiles = aligned(max((self._tiles_for(size) for size in self.flat_sizes), default=0))
         device = runner.device
         self._pinned = device.type == "cuda"
         # Static inputs, each family one buffer so a replay writes it with one copy (plain tensors,
@@ -118,7 +120,7 @@ class StepGraphs:
         self._decode: dict[int, _Graph] = {}
         self._flat: dict[tuple[int, bool], _Graph] = {}  # (tokens, with decode rows)
         self.replays: Counter[str] = Counter()  # "decode", "chunks", "mixed"
-        self.num_failed = 0  # buckets whose capture failed (run eagerly, padded the same way)
+        self.num_failed = 0  # captures that failed: that bucket and every one after it run eagerly, padded
         self.num_bytes = 0  # the graphs' private memory pool, once captured
 
     # ---- capture -----------------------------------------------------------------------------
@@ -143,10 +145,11 @@ class StepGraphs:
             segments = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             # Else the memory reserved while capturing (it also counts the eager warm passes' cached blocks).
             self.num_bytes = pool_bytes(segments, pool) or max(0, torch.cuda.memory_reserved(device) - reserved)
-        log.info("captured %d step graphs (decode batch 1-%d, prompt chunks up to %d tokens%s) in %.1fs, %.0f MiB",
-                 len(self._decode) + len(self._flat), self.max_rows, max(self.flat_sizes, default=0),
+        log.info("captured %d step graphs (decode batch 1-%d, prompt chunks up to %d tokens%s) in %.1fs, %.0f MiB%s",
+                 self.num_captured, self.max_rows, max(self.flat_sizes, default=0),
                  "" if self.invariant else ", alone or beside decode rows", time.perf_counter() - started,
-                 self.num_bytes / 2**20)
+                 self.num_bytes / 2**20,
+                 f"; {self.num_graphs - self.num_captured} run eagerly (a capture failed)" if self.num_failed else "")
 
     def _capture_flat(self, size: int, mixed: bool, pool: Any) -> Any:
         decode = min(size, self.max_rows) if mixed else 0
@@ -163,18 +166,33 @@ class StepGraphs:
         sampled = last.shape[0] if last is not None else size
         logits = self.runner.run(*args)  # compiles kernels, settles the allocator
         rerun = _Graph(_Rerun(lambda: self.runner.run(*args), logits), logits, decode, tiles, sampled)
-        if self.runner.device.type != "cuda":
+        if self.runner.device.type != "cuda" or self.num_failed:
             return rerun, pool
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.runner.device)
         try:
-            with torch.cuda.graph(graph, pool):
+            # thread_local: the disk writer's copies on their own thread and stream are no part of it
+            with torch.cuda.graph(graph, pool, capture_error_mode="thread_local"):
                 captured = self.runner.run(*args)
-        except Exception:  # this bucket only: the others keep their graphs
-            log.warning("CUDA graph capture failed for a step of %d tokens (%d decode rows); it runs the same "
-                        "padded step eagerly", size, decode, exc_info=True)
+        except Exception:
+            # A capture that fails to end leaves its stream current, and may leave the allocator
+            # mid-capture: the engine's stream is restored, and no further capture is tried.
+            torch.cuda.set_stream(stream)
+            log.warning("CUDA graph capture failed for a step of %d tokens (%d decode rows); it and every step "
+                        "not yet captured run the same padded step eagerly", size, decode, exc_info=True)
             self.num_failed += 1
             return rerun, pool
         return _Graph(graph, captured, decode, tiles, sampled), graph.pool() if pool is None else pool
+
+    @property
+    def num_captured(self) -> int:
+        """Steps that replay a real CUDA graph (the others, `_Rerun`, run eagerly)."""
+        graphs = (*self._decode.values(), *self._flat.values())
+        return sum(isinstance(g.replayable, torch.cuda.CUDAGraph) for g in graphs)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._decode) + len(self._flat)
 
     def _tiles_for(self, size: int) -> int:
         """Prompt tiles a step of `size` tokens can have: its tokens in tiles, plus one partial

@@ -17,6 +17,7 @@ def decode(Q, K, V, Part, Lse, rows, q_start, g_start, g_len,
            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
+    kv_head = kvh.to(tl.int64) * skh  # 64-bit: a head's offset in a large pool passes 2**31
     split = tl.program_id(2)
     seq = tl.load(rows + row)
     token = tl.load(q_start + seq)
@@ -44,7 +45,7 @@ def decode(Q, K, V, Part, Lse, rows, q_start, g_start, g_len,
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         where = tl.where(pos < gl, gs + pos, os_ + pos - gl)
-        kt = tl.load(K + kvh * skh + where[None, :] * skn + offs_d[:, None],
+        kt = tl.load(K + kv_head + where[None, :] * skn + offs_d[:, None],
                      mask=valid[None, :] & mask_d[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -52,7 +53,7 @@ def decode(Q, K, V, Part, Lse, rows, q_start, g_start, g_len,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        v = tl.load(V + kvh * skh + where[:, None] * skn + offs_d[None, :],
+        v = tl.load(V + kv_head + where[:, None] * skn + offs_d[None, :],
                     mask=valid[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -94,6 +95,7 @@ def prefill(Q, K, V, O, tile_seq, tile_first, q_start, q_len,
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
+    kv_head = kvh.to(tl.int64) * skh  # 64-bit: a head's offset in a large pool passes 2**31
     seq = tl.load(tile_seq + tile)
     first = tl.load(tile_first + tile)
     qs = tl.load(q_start + seq)
@@ -121,7 +123,7 @@ def prefill(Q, K, V, O, tile_seq, tile_first, q_start, q_len,
         pos = start + tl.arange(0, BLOCK_N)
         where = tl.where(pos < gl, gs + pos, os_ + pos - gl)
         inside = pos < hi
-        kt = tl.load(K + kvh * skh + where[None, :] * skn + offs_d[:, None],
+        kt = tl.load(K + kv_head + where[None, :] * skn + offs_d[:, None],
                      mask=inside[None, :] & mask_d[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         visible = inside[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -132,7 +134,7 @@ def prefill(Q, K, V, O, tile_seq, tile_first, q_start, q_len,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        v = tl.load(V + kvh * skh + where[:, None] * skn + offs_d[None, :],
+        v = tl.load(V + kv_head + where[:, None] * skn + offs_d[None, :],
                     mask=inside[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)

@@ -15,7 +15,9 @@ of a restart's first request; CRC-32 takes 50 ms.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 import json
 import math
 import zlib
@@ -138,15 +140,17 @@ def encode(entry: CacheEntry, identity: CacheIdentity) -> tuple[dict[str, torch.
 
 
 def host_copies(tensors: list[torch.Tensor], computed: Any = None) -> list[torch.Tensor]:
-    """Contiguous CPU copies of `tensors`. CUDA ones are copied on a stream of their own into
+    """Contiguous CPU copies of `tensors`. CUDA ones are copied on the disk writer's own stream into
     pinned memory, after `computed` (an event recorded once they were; else after what the device
     has queued now): a copy on the engine's stream would hold back every step queued after it for
     the whole transfer (hundreds of MB for an 8B model's tool group), and a first transfer into
-    fresh pageable memory pays its page faults there too."""
+    fresh pageable memory pays its page faults there too. A strided view of the pool (one head's
+    tokens are contiguous, the heads are not) is copied a contiguous piece at a time: copied whole,
+    it would first be gathered into a temporary on the GPU, outside the KV pool's budget."""
     if not any(t.is_cuda for t in tensors):
         return [t.detach().to("cpu").contiguous() for t in tensors]
     device = next(t.device for t in tensors if t.is_cuda)
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    stream = _copy_stream(device)
     if computed is not None:
         stream.wait_event(computed)
     else:
@@ -155,10 +159,27 @@ def host_copies(tensors: list[torch.Tensor], computed: Any = None) -> list[torch
     with torch.cuda.stream(stream):
         for tensor in tensors:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            host.copy_(tensor.detach(), non_blocking=True)
+            for piece in contiguous_pieces(tensor):
+                host[piece].copy_(tensor[piece].detach(), non_blocking=True)
             copies.append(host)
     stream.synchronize()
     return copies
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> Any:
+    """One stream a device for the disk writer's copies (a new stream each time would leave what
+    the allocator caches for it on up to 32 streams)."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+
+def contiguous_pieces(tensor: torch.Tensor) -> list[tuple[int, ...]]:
+    """Indexes over the fewest leading dimensions of `tensor` that leave contiguous pieces (one,
+    `()`, for a contiguous tensor)."""
+    lead = 0
+    while lead < tensor.dim() and tensor.numel() and not tensor[(0,) * lead].is_contiguous():
+        lead += 1
+    return list(itertools.product(*(range(n) for n in tensor.shape[:lead])))
 
 
 def check_key(header: Header, key: PrefixKey, identity: CacheIdentity) -> None:

@@ -51,6 +51,9 @@ class Runtime:
                 "backend": runner.backend, "batch_invariant": runner.batch_invariant,
                 "fused_layers": fused_layers.is_fused(runner.model), "cuda_graphs": runner.graphs is not None,
                 "cuda_graph_max_tokens": max(runner.graphs.flat_sizes, default=0) if runner.graphs is not None else 0,
+                "cuda_graphs_captured": runner.graphs.num_captured if runner.graphs is not None else 0,
+                "cuda_graphs_eager": (runner.graphs.num_graphs - runner.graphs.num_captured
+                                      if runner.graphs is not None else 0),
                 "decode_overlap": self.engine.overlap}
 
     def refresh_gauges(self) -> None:

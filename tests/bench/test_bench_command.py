@@ -199,3 +199,6 @@ def test_the_report_names_the_graphs_and_the_steps_launched_ahead_that_a_gpu_ser
         "triton, fused layers, CUDA graphs (decode, chunk steps up to 512 tokens), decode steps launched ahead")
     engine.update(cuda_graph_max_tokens=0, decode_overlap=False)
     assert _engine_of({"engine": engine})["backend"] == "triton, fused layers, CUDA graphs (decode)"
+    engine.update(cuda_graphs_eager=3)  # captures that failed: a slower run says why
+    assert _engine_of({"engine": engine})["backend"] == (
+        "triton, fused layers, CUDA graphs (decode; 3 failed to capture and run eagerly)")

@@ -83,3 +83,28 @@ def test_on_the_kernels_batch_invariant_requests_batched_give_their_tokens_alone
     alone = [generate(runtime, r).finished.token_ids for r in requests]
     together = run_together(runtime, [(r, False) for r in requests])
     assert [run.finished.token_ids for run in together] == alone
+
+
+def test_every_layout_row_the_kernels_read_starts_16_byte_aligned(runtime_for):
+    """Triton compiles a kernel variant per pattern of 16-byte-aligned pointer arguments: the
+    layout's rows must be aligned whatever the step's row and tile counts (eager) and in the
+    graphs' static table, or a step of an unseen count compiles while serving (~1 s a variant)."""
+    from gateway.engine.cuda_graphs import StepGraphs
+    from gateway.engine.model_runner import FlatStep, RowKV, build_layout
+
+    runner = runtime_for("llama", attention_backend="triton", max_batch=5).engine.runner
+    graphs = StepGraphs(runner, 5, (16, 32))
+    tables = [graphs._layout(5, graphs._tiles_for(32))]
+    runs = [runner.pool.allocate(80) for _ in range(6)]
+    for count in range(1, 7):
+        for chunk in (1, 3, 40):  # decode rows only, then one chunk of a tile, then of two
+            tokens = [[1]] * (count - 1) + [[1] * chunk]
+            rows = [RowKV(None, run, 0, 0) for run in runs[:count]]
+            tables.append(build_layout(rows, FlatStep.of(tokens, rows), runner.device)[0])
+    for layout in tables:
+        pointers = [getattr(layout, name).data_ptr() for name in
+                    ("q_start", "q_len", "group_start", "group_len", "own_start", "own_len", "decode_rows",
+                     "tile_seq", "tile_first")]
+        assert all(pointer % 16 == 0 for pointer in pointers)
+    for run in runs:
+        run.release()

@@ -47,6 +47,8 @@ def test_on_graphs_a_hit_a_miss_and_a_bypass_give_the_eager_engines_tokens(runti
     assert (miss.prefilled.result, hit.prefilled.result) == ("miss", "hit")
     assert miss.finished.token_ids == hit.finished.token_ids == bypass.finished.token_ids == eager.finished.token_ids
     assert graphs.replays["chunks"] >= 3 and graphs.replays["decode"] >= 15  # the suffix chunk, each decode step
+    # on CUDA every step is a real graph (a failed capture runs eagerly, and would pass the rest unseen)
+    assert (graphs.num_failed, graphs.num_captured) == (0, graphs.num_graphs if torch.cuda.is_available() else 0)
 
 
 def test_decode_rows_beside_prompt_chunks_replay_one_graph_and_keep_each_requests_tokens(runtime_for, merchant_tools):

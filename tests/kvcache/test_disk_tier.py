@@ -184,3 +184,19 @@ def _file_size(root: Path, entry: object) -> int:
     probe = disk(root)
     probe.save(entry)  # type: ignore[arg-type]
     return probe.usage()[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+def test_a_pool_views_host_copy_is_its_values_copied_a_contiguous_head_at_a_time(device):
+    """The writer copies a group's KV, a strided view of the pool (each head's tokens contiguous,
+    the heads apart), one contiguous piece at a time: what reaches the file is the view's values."""
+    from gateway.kvcache.disk_format import contiguous_pieces, host_copies
+
+    pool = torch.randn(4, 3, 50, 8, device=device)  # layers, kv heads, pool tokens, head dim
+    view = pool[1, :, 10:30].unsqueeze(0)  # [1, heads, tokens, dim] as a stored group's layer
+    assert contiguous_pieces(view) == [(0, 0), (0, 1), (0, 2)]
+    assert contiguous_pieces(pool) == [()]
+    copies = host_copies([view, pool[2]])
+    assert [c.device.type for c in copies] == ["cpu", "cpu"] and all(c.is_contiguous() for c in copies)
+    assert torch.equal(copies[0], view.cpu()) and torch.equal(copies[1], pool[2].cpu())

@@ -111,12 +111,6 @@ def test_held_logprobs_go_with_the_text_that_ends_their_token_and_a_stop_drops_t
     assert held.release(None) == ()
 
 
-def test_a_partial_character_ends_where_the_character_does():
-    from gateway.engine.text_stream import _written_chars
-
-    assert _written_chars("ab") == 2 and _written_chars("ab\ufffd") == 3 and _written_chars("ab\ufffd\ufffd") == 3
-
-
 @pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (the whole vocabulary is sorted) to peaked
 @pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
 def test_top_p_sorting_only_the_likeliest_tokens_gives_the_full_sorts_nucleus(scale, top_p):
