@@ -7,12 +7,14 @@
 #   bash deploy/gpu/measure.sh bench LABEL [VAR=VALUE ...]
 #       toolkv bench --spawn: single, concurrent and agent scenarios at 1, 16 and 32 clients, with
 #       settings changed by TOOLKV_* variables (e.g. `bench no-overlap TOOLKV_DECODE_OVERLAP=false`)
+#   bash deploy/gpu/measure.sh restart            the first request after a restart, its group read from
+#                                                 disk, against the miss that wrote it
 #   bash deploy/gpu/measure.sh peer               llama.cpp's CUDA server on the same weights, side
 #                                                 by side (build it first: `bash .gpu/llamacpp.sh build`)
 # The model (MODEL_DIR, default /tmp/q3: the kit's random-weight Qwen3-8B shape) is built when
 # missing; /tmp lasts as long as the machine stays warm.
 set -euo pipefail
-stage=${1:?"stage: tests, steps, bench or peer"}
+stage=${1:?"stage: tests, steps, bench, restart or peer"}
 shift
 out=${OUT:?"OUT: where results go"}
 model=${MODEL_DIR:-/tmp/q3}
@@ -37,6 +39,10 @@ case "$stage" in
       --clients 1,16,32 --no-floor --out "$out/bench-$label" 2>&1 | grep -v "━" | tail -75 | tee "$out/bench-$label.txt"
     grep -i "captured\|warm-up\|ready in\|compiled tool\|Traceback\|Error" "$out/bench-$label/server.log" \
       | cut -c1-250 | head -30 > "$out/server-events-$label.txt" || true ;;
+  restart)
+    need_model
+    timeout 450 toolkv bench --spawn --model "$model" --scenario restart --no-floor --out "$out/bench-restart" 2>&1 \
+      | grep -v "━" | tail -40 | tee "$out/bench-restart.txt" ;;
   peer)
     need_model
     bash .gpu/llamacpp.sh wait
