@@ -37,6 +37,7 @@ from torch import nn
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
+from gateway.engine.staging import staged
 from gateway.engine.stats import MemoryUse
 from gateway.kvcache.block_pool import BlockPool, BlockRun
 
@@ -278,9 +279,9 @@ class ModelRunner:
             assert ids.shape == (len(rows),) and len(flat.ids) == len(rows), "device ids: one per decode row"
             ids = ids[None]
         else:
-            ids = torch.tensor([flat.ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor([flat.positions], dtype=torch.long, device=self.device)
-        last = torch.tensor(flat.last, dtype=torch.long, device=self.device)
+            ids = staged([flat.ids], torch.long, self.device)
+        positions = staged([flat.positions], torch.long, self.device)
+        last = staged(flat.last, torch.long, self.device)
         return self.run(ids, positions, step, last)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
@@ -360,10 +361,9 @@ def build_layout(rows: list[RowKV], flat: FlatStep, device: torch.device) -> tup
     """The kernels' metadata for an eager step, and each new token's pool slot."""
     columns = layout_columns(rows, flat.sizes)
     decode = flat.decode + [0] * (len(rows) - len(flat.decode))
-    table = torch.tensor(aligned_rows([*columns, decode]), dtype=torch.int32).to(device)
-    tiles = torch.tensor(aligned_rows([[s for s, _ in flat.tiles], [f for _, f in flat.tiles]]),
-                         dtype=torch.int32).to(device)
-    slots = torch.tensor(flat.slots, dtype=torch.long).to(device)
+    table = staged(aligned_rows([*columns, decode]), torch.int32, device)
+    tiles = staged(aligned_rows([[s for s, _ in flat.tiles], [f for _, f in flat.tiles]]), torch.int32, device)
+    slots = staged(flat.slots, torch.long, device)
     layout = KVLayout(table[0], table[1], table[2], table[3], table[4], table[5], decode_rows=table[6],
                       tile_seq=tiles[0], tile_first=tiles[1],
                       num_decode=len(flat.decode), num_tiles=len(flat.tiles))

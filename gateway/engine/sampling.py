@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
+from gateway.engine.staging import staged
+
 if TYPE_CHECKING:
     from gateway.engine.constraints import Constraint
 
@@ -93,14 +95,6 @@ def device_picks(logits: torch.Tensor, samplers: list[Sampler]) -> GreedyPicks:
     scores = logits.to(torch.float32, copy=True)  # the step's logits stay as they are
     scores.index_copy_(0, rows, sample_scores(logits.index_select(0, rows), [samplers[i] for i in sampled]))
     return GreedyPicks.start(scores)
-
-
-def staged(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device: on CUDA through pinned memory
-    (a copy from pageable memory would wait for the step in flight, which a step launched ahead
-    must not)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def picks_of(logits: torch.Tensor, samplers: list[Sampler], rows: list[int]) -> dict[int, tuple[int, int]]:
