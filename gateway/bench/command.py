@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS
 from gateway.bench.server import BaselineSwap, ServerFailed, SpawnedServer
+from gateway.bench.server_settings import engine_of, server_settings
 from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools
 from gateway.settings import DEFAULT_CONFIG, load_settings
@@ -184,7 +184,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
     clock_zero = time.perf_counter()
     if server is not None:
         console.print(f"starting toolkv serve (log: {server.log_path}) ...")
-    settings = asyncio.create_task(asyncio.to_thread(_server_settings, args))  # beside the server's start
+    settings = asyncio.create_task(asyncio.to_thread(server_settings, args))  # beside the server's start
     base_url = await server.start() if server is not None else args.base_url
     client = BenchClient(base_url, args.api_key, args.timeout, clock_zero)
     try:
@@ -213,7 +213,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
         meta["options"].update(peer_url=peer.client.base_url, peer_model=peer.model)
     meta["settings"] = {**await settings, "model": served,
                         "server_version": version.get("version") if isinstance(version, dict) else None}
-    meta["settings"].update(_engine_of(version))
+    meta["settings"].update(engine_of(version))
     return results, floor, meta
 
 
@@ -325,54 +325,6 @@ async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, resu
         if probe is not None:
             probe.close()
     return {f.num_tools: f for f in measured}, None, shares_cpu
-
-
-def _engine_of(version: Any) -> dict[str, Any]:
-    """Device, dtype and backend as the server says in `/version` (a toolkv that does), over what
-    the bench resolved from its own settings; nothing for another server."""
-    engine = version.get("engine") if isinstance(version, dict) else None
-    if not isinstance(engine, dict):
-        return {}
-    graphs = ""
-    if engine.get("cuda_graphs"):
-        chunks = engine.get("cuda_graph_max_tokens")
-        eager = engine.get("cuda_graphs_eager")
-        graphs = (f", CUDA graphs (decode{f', chunk steps up to {chunks} tokens' if chunks else ''}"
-                  f"{f'; {eager} failed to capture and run eagerly' if eager else ''})")
-    backend = (f"{engine.get('backend')}{', fused layers' if engine.get('fused_layers') else ''}"
-               f"{', batch invariant' if engine.get('batch_invariant') else ''}{graphs}"
-               f"{', decode steps launched ahead' if engine.get('decode_overlap') else ''}")
-    return {"device": engine.get("device"), "dtype": engine.get("dtype"), "backend": backend}
-
-
-def _server_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What the report says the run used: toolkv's version here and, for a spawned server, the
-    device, dtype and attention backend it resolves its settings to (unknown for another server)."""
-    out: dict[str, Any] = {"toolkv_version": _toolkv_version(), "device": None, "dtype": None, "backend": None}
-    if not args.spawn:
-        return out
-    try:
-        # lazy: the engine packages load torch, which nothing else here needs
-        from gateway.engine.model_loader import pick_device, pick_dtype
-        from gateway.serving.runtime import engine_plan
-
-        config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-        settings = load_settings(config, {"model": args.model})
-        device = pick_device(settings.device)
-        plan = engine_plan(settings, device)
-        out.update(device=str(device), dtype=str(pick_dtype(settings.dtype, device)).removeprefix("torch."),
-                   backend=plan.backend + (", fused layers" if plan.fused else "")
-                   + (", batch invariant" if plan.batch_invariant else ""))
-    except Exception as exc:  # the report says so; the measurements stand
-        out["settings_error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def _toolkv_version() -> str:
-    try:
-        return importlib.metadata.version("toolkv")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:

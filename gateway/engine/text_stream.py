@@ -76,9 +76,7 @@ class TextStream:
         self._visible: list[int] = []
         self._backend = _stream_backend(decoder)  # None: every token decodes the whole text again
         self._stream = DecodeStream(skip_special_tokens=not keep_ids) if self._backend is not None else None
-        self._text = ""  # the text of the tokens so far, whole characters only
-        self._pending = False  # the last tokens began a character that is not complete yet
-        self._written = 0  # where the text ends with a character begun (= text_chars)
+        self._text = ""  # the text of the tokens so far, whole characters only (text_chars: and one begun)
         self._anchor: int | None = None  # the last token that wrote text
         self._held: list[int] = []  # the tokens after it, that have written nothing yet
 
@@ -88,7 +86,6 @@ class TextStream:
             self._visible.append(token_id)
             self._step(token_id)
         text = self._text
-        self.text_chars = self._written
         if self._pending:
             return ""  # a multi-byte character is not complete yet
         end = self._stop_at(text)
@@ -111,22 +108,25 @@ class TextStream:
             except Exception:  # the stream cannot go on (e.g. "invalid prefix"): decode whole from now on
                 self._stream = None
             else:
-                self._pending = piece is None  # no text yet: the token's bytes end inside a character
                 if piece is not None:
                     self._text += piece
                     self._anchor, self._held = token_id, []
-                    self._written = len(self._text)
+                    self.text_chars = len(self._text)
                     return
-                self._held.append(token_id)
+                self._held.append(token_id)  # no text yet: the token's bytes end inside a character
                 written = self._written_with_held()
                 if written is not None:
-                    self._written = written
+                    self.text_chars = written
                     return
                 self._stream = None
         text = self._decoded()
-        self._pending = text.endswith("\ufffd")
-        self._text = text.rstrip("\ufffd") if self._pending else text
-        self._written = _written_chars(text)
+        self._text = text.rstrip("\ufffd")
+        self.text_chars = _written_chars(text)
+
+    @property
+    def _pending(self) -> bool:
+        """The last tokens began a character that is not complete yet."""
+        return self.text_chars > len(self._text)
 
     def _written_with_held(self) -> int | None:
         """Where the text ends with the held tokens, as decoding every token counts it: the

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from gateway.bench.command import _engine_of
+from gateway.bench.server_settings import engine_of
 from gateway.cli.main import main
 from tests.support.server import LiveServer
 
@@ -195,10 +195,10 @@ def test_the_report_names_the_graphs_and_the_steps_launched_ahead_that_a_gpu_ser
     report: the backend line says what the server's /version says it runs."""
     engine = {"device": "cuda:0", "dtype": "bfloat16", "backend": "triton", "fused_layers": True,
               "batch_invariant": False, "cuda_graphs": True, "cuda_graph_max_tokens": 512, "decode_overlap": True}
-    assert _engine_of({"engine": engine})["backend"] == (
+    assert engine_of({"engine": engine})["backend"] == (
         "triton, fused layers, CUDA graphs (decode, chunk steps up to 512 tokens), decode steps launched ahead")
     engine.update(cuda_graph_max_tokens=0, decode_overlap=False)
-    assert _engine_of({"engine": engine})["backend"] == "triton, fused layers, CUDA graphs (decode)"
+    assert engine_of({"engine": engine})["backend"] == "triton, fused layers, CUDA graphs (decode)"
     engine.update(cuda_graphs_eager=3)  # captures that failed: a slower run says why
-    assert _engine_of({"engine": engine})["backend"] == (
+    assert engine_of({"engine": engine})["backend"] == (
         "triton, fused layers, CUDA graphs (decode; 3 failed to capture and run eagerly)")
