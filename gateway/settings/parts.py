@@ -1,7 +1,7 @@
 """The pieces the settings declaration is made of: sizes (`8GiB`), the markers a field carries (a
 byte budget, its command-line names, the `--help` section it opens), the checks and readers
 that several settings share, and how a bad value is worded (naming the key and where it came
-from, secrets hidden). No setting is declared here (see gateway/settings.py)."""
+from, secrets hidden). No setting is declared here (see declaration.py)."""
 
 from __future__ import annotations
 
