@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         diff = difflib.unified_diff(current.splitlines(keepends=True), wanted.splitlines(keepends=True),
                                     "docs/configuration.md", "generated")
         sys.stderr.write("".join(diff))
-        sys.stderr.write(f"docs/configuration.md is out of date with gateway/settings/declaration.py: run `{COMMAND}`\n")
+        sys.stderr.write(f"docs/configuration.md is out of date with the settings declared: run `{COMMAND}`\n")
         return 1
     return 0
 
