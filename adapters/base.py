@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 # OpenAI's rule for function names (it answers 400 for anything else). Names are written into the
 # prompt as JSON strings: a name JSON escapes (`"`, `\`, control characters) would read differently
 # there than in the request, so the rule also keeps every name verbatim in the rendered tool group.
@@ -144,10 +146,16 @@ class CallSyntax:
 
 
 def arguments_object(arguments: str) -> Any:
-    """OpenAI sends arguments as JSON text; prompts want the object (or the text, if not JSON)."""
+    """OpenAI sends arguments as JSON text; prompts want the object, or the text itself where it is
+    not strict JSON. Python's parser also takes NaN, infinities and lone surrogate escapes, none of
+    which the prompt could hold as the client wrote them (a lone surrogate cannot even be
+    tokenized); strict JSON is what orjson takes, as the request's depth check does
+    (gateway/edge/limits.py), so text that check passed over as not JSON stays text here. The value
+    itself comes from Python's parser, which keeps integers past 64 bits exact."""
     try:
+        orjson.loads(arguments)
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 

@@ -59,6 +59,20 @@ def test_deep_nesting_anywhere_is_a_400_never_a_500(live):
     assert post(live, HI).status_code == 200
 
 
+def test_call_arguments_python_would_parse_but_json_does_not_are_served_as_text(live):
+    """A lone surrogate escape or a NaN ahead of deep nesting in a history call's arguments: the
+    depth check takes them for text (not JSON), and so does the prompt (before, a 500 that also
+    dropped the client's connection)."""
+    with httpx.Client(base_url=live.api_url, timeout=120) as client:  # one connection throughout
+        for arguments in ('{"a": "\\ud800"}', "[NaN," + "[" * 1200 + "]" * 1200 + "]"):
+            call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+            resp = client.post("/chat/completions", json=dict(HI, messages=history))
+            assert resp.status_code == 200, resp.text
+        assert client.post("/chat/completions", json=HI).status_code == 200
+
+
 def _dumps_deep(value: object) -> bytes:
     """json.dumps for a body deeper than Python's recursion limit allows (the server must cope)."""
     depth, inner = 0, value["messages"][1]["tool_calls"][0]["function"]["arguments"]  # type: ignore[index]

@@ -3,6 +3,8 @@ tool group is canonical."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -66,3 +68,26 @@ def test_agent_loop_turns_keep_the_same_prefix(tokenizer, merchant_tools):
     ], specs(merchant_tools[:4]))
     assert turn1.text[: turn1.prefix_chars] == turn2.text[: turn2.prefix_chars]
     assert "<tool_response>" in turn2.text and "gmv_summary" in turn2.text[turn2.prefix_chars:]
+
+
+@pytest.mark.parametrize("arguments", ['{"a": "\\ud800"}', '{"a": NaN}', "[Infinity]", '{"a": 1e400}',
+                                       "[NaN," + "[" * 5000 + "]" * 5000 + "]"])
+def test_call_arguments_that_are_not_strict_json_are_written_as_the_client_sent_them(tokenizer, arguments):
+    """Python's parser takes these (a lone surrogate, NaN, an infinity, nesting past its recursion
+    limit once parsed): as objects they could not be tokenized, or would not be the client's text."""
+    from adapters.base import ToolCallIn
+
+    history = [*CHAT, ChatMessage("assistant", None, (ToolCallIn("call_1", "f", arguments),)),
+               ChatMessage("tool", "42", tool_call_id="call_1")]
+    prompt = PromptRenderer(tokenizer, HermesFamily()).render(history, [])
+    assert f'"arguments": {json.dumps(arguments, ensure_ascii=False)}' in prompt.text  # the text, as a string
+    tokenizer(prompt.text, add_special_tokens=False)  # a lone surrogate in the text would raise here
+
+
+def test_call_arguments_keep_integers_past_64_bits_exact(tokenizer):
+    from adapters.base import ToolCallIn
+
+    call = ToolCallIn("call_1", "f", '{"id": 123456789012345678901234567890}')
+    history = [*CHAT, ChatMessage("assistant", None, (call,)), ChatMessage("tool", "42", tool_call_id="call_1")]
+    prompt = PromptRenderer(tokenizer, HermesFamily()).render(history, [])
+    assert '"id": 123456789012345678901234567890' in prompt.text
