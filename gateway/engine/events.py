@@ -50,6 +50,7 @@ class Finished:
 @dataclass(frozen=True, slots=True)
 class Failed:
     message: str
+    param: str | None = None  # set when the request is at fault (its schema ran the grammar past a limit): a 400
 
 
 EngineEvent = Prefilled | TextDelta | Finished | Failed

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from gateway.engine.cache_manager import KVCacheManager
+from gateway.engine.constraints import GrammarLimit
 from gateway.engine.events import Failed, Finished, Job, Prefilled
 from gateway.engine.sampling import NonFiniteLogits, all_finite, on_host, picks_of
 from gateway.engine.sequence import Phase, Sequence
@@ -175,9 +176,15 @@ class OutputProcessor:
         self.fail_job(seq.job, exc)
 
     def fail_job(self, job: Job, exc: Exception) -> None:
-        log.error("generation failed", exc_info=exc)
+        if isinstance(exc, GrammarLimit):  # the request's own schema: a 400 naming it, not a fault here
+            log.info("generation stopped: %s", exc)
+        else:
+            log.error("generation failed", exc_info=exc)
         if job.warm is not None:
             job.warm.set_exception(exc)
+            return
+        if isinstance(exc, GrammarLimit):
+            job.emit(Failed(str(exc), exc.param))
             return
         # The client sees no exception text: it may hold a path or other server detail.
         job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))

@@ -25,7 +25,7 @@ from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarE
 from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
-from gateway.errors import BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
+from gateway.errors import APIError, BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent, Ended, Started
@@ -327,7 +327,7 @@ class ChatService:
                 outcome.text_parts.append(event.text)
                 outcome.logprobs.extend(event.logprobs)
             elif isinstance(event, Failed):
-                raise GenerationFailed(event.message)
+                raise failure(event)
         assert outcome.finish is not None and outcome.prefilled is not None
         content, calls, finish_reason = content_and_calls(self.family, "".join(outcome.text_parts), prepared,
                                                           outcome.finish, self.metrics.tool_parse_failures.inc)
@@ -365,8 +365,9 @@ class ChatService:
         async for engine_event in chain(first, events):
             self.accounting.observe(prepared, outcome, engine_event)
             if isinstance(engine_event, Failed):
-                self.accounting.record(prepared, outcome, "500", stream=True)
-                raise GenerationFailed(engine_event.message)
+                error = failure(engine_event)
+                self.accounting.record(prepared, outcome, str(error.status_code), stream=True)
+                raise error
             if isinstance(engine_event, TextDelta):
                 logprobs.add(engine_event.logprobs)
                 pieces = streamer.feed(engine_event.text) if streamer else [ContentDelta(engine_event.text)]
@@ -383,6 +384,12 @@ class ChatService:
         # the entries no event carried; the consumer asks for more once it has sent the end
         yield Ended(reason, usage_of(prepared, outcome), logprobs.take(), outcome.finish.stop_sequence)
         self.accounting.record(prepared, outcome, "200", stream=True)
+
+
+def failure(event: Failed) -> APIError:
+    """What the client hears of a generation that failed: a 400 naming the field when its own
+    schema was at fault (the grammar ran past a limit), else a 500."""
+    return BadRequest(event.message, param=event.param) if event.param else GenerationFailed(event.message)
 
 
 def _arguments_chars(arguments: str) -> int:

@@ -99,3 +99,24 @@ def test_an_object_requiring_unlisted_keys_is_served_not_refused(live):
     answer = post(live, "/chat/completions", dict(HI, response_format={"type": "json_schema", "json_schema": {
         "name": "answer", "schema": schema}}, max_tokens=2))
     assert answer.status_code == 200, answer.text
+
+
+def _wide_answer(properties: int) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+    return {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+
+
+def test_an_answer_schema_past_the_grammar_limits_is_a_400_naming_it_even_mid_stream(live):
+    """llguidance's parser meets its row limit only once the answer's object opens, after the
+    response may have started: a 400 (or, streamed, an error event) naming response_format, not a
+    500. Below the limit (600 optional properties failed before), the answer is served."""
+    error = rejected(post(live, "/chat/completions", dict(HI, response_format=_wide_answer(3000))), "response_format")
+    assert "too large for constrained decoding" in error["message"]
+    with httpx.stream("POST", live.api_url + "/chat/completions", timeout=120,
+                      json=dict(HI, response_format=_wide_answer(3000), stream=True)) as resp:
+        lines = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    assert json.loads(lines[-2])["error"]["type"] == "invalid_request_error"
+    assert json.loads(lines[-2])["error"]["param"] == "response_format"
+    served = post(live, "/chat/completions", dict(HI, response_format=_wide_answer(600)))
+    assert served.status_code == 200, served.text

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
-from gateway.engine.constraints import GrammarError, Grammars
+from gateway.engine.constraints import GrammarError, GrammarLimit, Grammars
 from gateway.engine.grammar_text import closed, json_grammar, tool_grammar
 from tests.support.family_models import SETUPS, save_family_tokenizer
 
@@ -196,3 +196,29 @@ def test_a_hundred_tool_grammar_allows_only_the_call_opening_first(grammars: Gra
     allowed = torch.isfinite(masked).nonzero().flatten().tolist()
     assert allowed and all(smol.decode([t]) and "<tool_call>".startswith(smol.decode([t])) for t in allowed)
 
+
+
+def _wide(properties: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+
+
+def test_an_object_with_hundreds_of_optional_properties_is_served(grammars, smol):
+    """llguidance's default row limit (2,000 items, ~500 optional properties) failed a 600-property
+    answer on its first token; OpenAI's structured outputs take up to 5,000 properties."""
+    constraint = grammars.constraint(json_grammar(_wide(600)), "response_format")
+    for token in smol('{"p7": "a", "p599": "b"}', add_special_tokens=False)["input_ids"]:
+        constraint.prepare()
+        constraint.accept(token)
+    assert not constraint.matcher.is_error()
+
+
+def test_an_object_past_the_grammar_limits_is_the_requests_fault_naming_its_field(grammars, smol):
+    """Past the raised limit, following the output stops with a GrammarLimit (a 400 naming the
+    field), not a ConstraintViolation (a server fault)."""
+    constraint = grammars.constraint(json_grammar(_wide(3000)), "response_format")
+    with pytest.raises(GrammarLimit) as raised:
+        for token in smol('{"p1": "a"}', add_special_tokens=False)["input_ids"]:
+            constraint.prepare()
+            constraint.accept(token)
+    assert raised.value.param == "response_format"
+    assert "'response_format' schema is too large" in str(raised.value)
