@@ -70,6 +70,10 @@ class Job:
     retention_s: float = 0.0  # keep the tool group cached at least this long (prompt_cache_retention); 0: LRU
     keep_token_ids: frozenset[int] = frozenset()  # special tokens the output text must keep
     constraint: Constraint | None = None  # the grammar its output follows (constraints.py)
+    # Stop sequences apply only to the text before this, a tool call section's trigger: a call the
+    # grammar holds to its schema is never cut into invalid arguments. "": the output starts inside
+    # a call (a forced one), so they never apply; None: they apply to all of it.
+    stop_before: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # perf_counter at submit
     # Set by a streaming consumer once the first token is on the wire; the engine waits for it

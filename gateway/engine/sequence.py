@@ -72,8 +72,9 @@ class Sequence:
     def admitted(cls, job: Job, placed: Placement, tokenizer: Any, special_ids: frozenset[int]) -> Sequence:
         """The sequence of an admitted job, its KV where the cache manager placed it."""
         stop = job.params.stop if job.warm is None else ()
-        seq = cls(job, placed.group_len, placed.result, placed.own_run, placed.ends,
-                  Sampler(job.params, job.constraint), TextStream(tokenizer, stop, special_ids, job.keep_token_ids),
+        stream = TextStream(tokenizer, stop, special_ids, job.keep_token_ids, job.stop_before)
+        sampler = Sampler(job.params, job.constraint)
+        seq = cls(job, placed.group_len, placed.result, placed.own_run, placed.ends, sampler, stream,
                   key=placed.key, entry=placed.entry, group_run=placed.group_run, tier=placed.tier,
                   lookup_s=placed.lookup_s, chain=placed.chain, source=placed.record, rest_from=placed.rest_from,
                   admitted_at=placed.admitted_at, reused=placed.reused)

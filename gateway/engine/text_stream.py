@@ -57,13 +57,24 @@ class Decoder(Protocol):
 class TextStream:
     """Accumulates generated tokens; yields only text that is final (complete characters, and not
     possibly the start of a stop sequence). `stopped` turns true once a stop sequence appears;
-    `stopped_by` is that sequence (the first in the text; of two at one place, the first listed)."""
+    `stopped_by` is that sequence (the first in the text; of two at one place, the first listed).
+
+    `stop_before`: stop sequences match only in the text before it (a tool call section's
+    trigger: the calls after it are held to their schemas by the grammar, and a stop sequence
+    would cut them into invalid arguments); "" for none of the text. A stop sequence that runs
+    into the trigger itself (`"<tool"` before `<tool_call>`) stops the text when it is found
+    before the trigger is whole, which depends on how the tokens split them.
+    """
 
     def __init__(self, decoder: Decoder, stop: tuple[str, ...],
-                 special_ids: frozenset[int] = frozenset(), keep_ids: frozenset[int] = frozenset()) -> None:
+                 special_ids: frozenset[int] = frozenset(), keep_ids: frozenset[int] = frozenset(),
+                 stop_before: str | None = None) -> None:
         self.decoder = decoder
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.stop = stop if stop_before != "" else ()
+        self.stop_before = stop_before or None
+        self.calls_from: int | None = None  # where the text's call section starts, once written
+        self._scanned = 0  # the text searched for it so far
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.emitted_chars = 0
         self.text_chars = 0  # where the text written so far ends: a character begun counts as written
@@ -92,6 +103,8 @@ class TextStream:
         if end is not None:
             self.stopped = True
             return self._take(text, end)
+        if self.calls_from is not None:  # no stop sequence can match any more: all of it is final
+            return self._take(text, len(text))
         return self._take(text, len(text) - self.holdback)
 
     def flush(self) -> str:
@@ -150,8 +163,14 @@ class TextStream:
         return self.decoder.decode(self._visible, skip_special_tokens=False)
 
     def _stop_at(self, text: str) -> int | None:
+        if not self.stop:
+            return None
         start = max(0, self.emitted_chars - self.holdback)
-        hits = [(i, n) for n, i in enumerate(text.find(s, start) for s in self.stop) if i >= 0]
+        if self.stop_before is not None and self.calls_from is None:  # a trigger may end in the new text
+            at = text.find(self.stop_before, max(0, self._scanned - len(self.stop_before) + 1))
+            self.calls_from, self._scanned = (at if at >= 0 else None), len(text)
+        end = len(text) if self.calls_from is None else self.calls_from  # a match must end before the calls
+        hits = [(i, n) for n, i in enumerate(text.find(s, start, end) for s in self.stop) if i >= 0]
         if not hits:
             return None
         at, which = min(hits)

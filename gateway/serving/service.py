@@ -125,7 +125,8 @@ class ChatService:
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names, retention_s=req.retention_s,
-                  keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint)
+                  keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint,
+                  stop_before=stop_before(self.family, forced.opening) if tools_active else None)
         commit()  # accepted: only now may its tokenized head be remembered
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
@@ -384,6 +385,14 @@ class ChatService:
         # the entries no event carried; the consumer asks for more once it has sent the end
         yield Ended(reason, usage_of(prepared, outcome), logprobs.take(), outcome.finish.stop_sequence)
         self.accounting.record(prepared, outcome, "200", stream=True)
+
+
+def stop_before(family: ChatFamily, forced_opening: str) -> str:
+    """Where stop sequences stop applying (the engine's `Job.stop_before`): at the trigger of the
+    family's call section, or nowhere when the output starts inside a forced call. The grammar
+    holds a call to its schema; a stop sequence matching inside it would cut it into arguments
+    that are not JSON, reported as a finished call."""
+    return "" if forced_opening else family.call_syntax().trigger
 
 
 def failure(event: Failed) -> APIError:

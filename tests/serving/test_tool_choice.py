@@ -94,6 +94,27 @@ def test_required_gives_a_call_to_a_listed_tool(family_server, setup):
     assert message["tool_calls"][0]["function"]["name"] in {t["function"]["name"] for t in TOOLS}
 
 
+@pytest.mark.parametrize("setup", FAMILIES)
+@pytest.mark.parametrize("choice", [named("get_order_details"), "required"])
+def test_stop_sequences_never_cut_a_forced_call(family_server, setup, choice):
+    """A stop sequence that occurs inside the call (a quote, a brace, the argument's name) does not
+    cut it: the answer is the one without stop sequences. Before, the call was cut mid-arguments
+    (`"arguments": "{"`) and still reported as a finished call."""
+    live = family_server(setup)
+    plain = body("Where is order #W1?", tool_choice=choice, max_tokens=12)
+    stopped = dict(plain, stop=['"', "{", "order_id", ":"])
+    assert calls_of(post(live, stopped)) == calls_of(post(live, plain))
+    content, calls, finish = assemble(stream(live, stopped))
+    assert (content, [c["function"] for c in calls], finish) == calls_of(post(live, plain))
+
+
+def calls_of(resp: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]], str]:
+    """(content, each call's function, finish_reason): an answer but for its call ids."""
+    choice = resp["choices"][0]
+    calls = [c["function"] for c in choice["message"].get("tool_calls") or ()]
+    return choice["message"]["content"], calls, choice["finish_reason"]
+
+
 def test_forcing_a_call_still_hits_the_tool_group_prefix(family_server):
     live = family_server("chatml")
     post(live, body("Warm the cache", tool_choice="auto"))

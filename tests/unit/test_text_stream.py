@@ -123,3 +123,30 @@ def test_stop_sequences_cut_the_stream_where_they_cut_the_whole_text(request, na
         whole = TextStream(WholeDecode(tokenizer), stop, specials)
         assert run(fast, ids) == run(whole, ids)
         assert fast.stopped_by == whole.stopped_by and fast.stopped == (stop != ("not in the text",))
+
+
+CALL_TEXT = 'Let me look: "a" {b}.<tool_call>\n{"name": "get_gmv", "arguments": {"period": "last week"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stop", [('"',), ("{",), ("period",), ("</tool_call>",), ('", "arguments',)])
+def test_stop_sequences_never_cut_a_tool_call_only_the_text_before_it(smollm, stop):
+    """A stop sequence that matches only inside the call section (after its trigger) does not stop
+    the stream: the grammar holds the call to its schema, and cut it would be arguments that are
+    not JSON, reported as a call. One that matches in the text before the trigger stops it there."""
+    ids = smollm(CALL_TEXT, add_special_tokens=False)["input_ids"]
+    stream = TextStream(smollm, stop, special_ids(smollm), stop_before="<tool_call>")
+    text = "".join(delta for delta, _, _ in run(stream, ids))
+    whole_text = TextStream(smollm, stop, special_ids(smollm))
+    cut = "".join(delta for delta, _, _ in run(whole_text, ids))
+    before = CALL_TEXT[: CALL_TEXT.index("<tool_call>")]
+    if stop[0] in before:  # it matches before the call: the same cut as without stop_before
+        assert stream.stopped and text == cut == before[: before.index(stop[0])]
+    else:
+        assert not stream.stopped and text == CALL_TEXT and cut != CALL_TEXT
+
+
+@pytest.mark.parametrize("stop", [('"',), ("{",), ("Let",)])
+def test_stop_sequences_never_apply_to_output_that_starts_inside_a_forced_call(smollm, stop):
+    ids = smollm(CALL_TEXT, add_special_tokens=False)["input_ids"]
+    stream = TextStream(smollm, stop, special_ids(smollm), stop_before="")
+    assert "".join(delta for delta, _, _ in run(stream, ids)) == CALL_TEXT and not stream.stopped
