@@ -37,6 +37,7 @@ class TextDelta:
     # When the job asked for them, the logprobs of the tokens whose text ends in this delta (the
     # stream may hold text back: half a character, a possible stop sequence), see HeldLogprobs.
     logprobs: tuple[TokenLogprob, ...] = ()
+    tokens: int = 0  # generated so far (a client that leaves before the end is counted with them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,7 +137,7 @@ class Sequence:
         the logprobs of the tokens whose text it completes."""
         logprobs = self.logprobs.release(sent_chars, cut=self.stream.stopped)
         if text or logprobs:
-            self.job.emit(TextDelta(text, logprobs))
+            self.job.emit(TextDelta(text, logprobs, self.generated))
 
     def release(self) -> None:
         """Give back every block this sequence holds (its own run, the group it read or wrote)."""

@@ -20,8 +20,10 @@ class Accounting:
     def observe(self, prepared: Prepared, outcome: Outcome, event: EngineEvent) -> None:
         if isinstance(event, Prefilled):
             outcome.prefilled = event
-        elif isinstance(event, TextDelta) and outcome.ttft_s is None:
-            outcome.ttft_s = time.perf_counter() - prepared.started
+        elif isinstance(event, TextDelta):
+            outcome.generated = event.tokens
+            if outcome.ttft_s is None:
+                outcome.ttft_s = time.perf_counter() - prepared.started
         elif isinstance(event, Finished):
             outcome.finish = event
             if outcome.ttft_s is None:
@@ -43,7 +45,7 @@ class Accounting:
             m.compile_seconds.observe(pre.compile_s)
         if pre.result == "hit":
             m.restore_seconds.observe(pre.restore_s)
-        completion = outcome.finish.completion_tokens if outcome.finish else 0
+        completion = outcome.completion_tokens  # a client that left: the tokens generated for it
         m.generated_tokens.inc(completion)
         if outcome.ttft_s is not None:
             m.ttft.labels(cache=pre.result).observe(outcome.ttft_s)

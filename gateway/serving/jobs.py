@@ -62,14 +62,19 @@ class Outcome:
     prefilled: Prefilled | None = None
     ttft_s: float | None = None
     finish: Finished | None = None
+    generated: int = 0  # tokens generated so far (the finish's count once finished)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.finish.completion_tokens if self.finish is not None else self.generated
 
 
 def usage_of(prepared: Prepared, outcome: Outcome) -> Usage:
     """The answer's token counts so far (before the prefill: zeros)."""
     pre = outcome.prefilled
-    completion = outcome.finish.completion_tokens if outcome.finish else 0
+    completion = outcome.completion_tokens
     return Usage(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
                  prepared.cache_write_tokens)
 

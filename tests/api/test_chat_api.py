@@ -4,6 +4,7 @@ streaming, usage with cached tokens, and errors in OpenAI's envelope."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -214,3 +215,22 @@ def test_every_response_and_chunk_names_the_same_system_fingerprint(live, client
                                                                "max_tokens": 3, "stream": True})
               if event != "[DONE]"]
     assert chunks and all(chunk["system_fingerprint"] == fingerprint for chunk in chunks)
+
+
+def test_a_client_that_hangs_up_mid_stream_is_counted_with_the_tokens_it_was_sent(live):
+    """The request log and `toolkv_generated_tokens_total` count what was generated for a client
+    that left (before, 0: only a finished answer's count was taken)."""
+    metrics = live.app.state.metrics
+    generated, hangups = metrics.generated_tokens._value.get(), metrics.requests.labels(status="499", stream="true")
+    left_before = hangups._value.get()
+    body = {"model": "tiny-llama", "messages": ask("Count forever"), "max_tokens": 3000, "stream": True,
+            "temperature": 0}  # greedy runs to the limit: the client leaves first
+    with httpx.stream("POST", live.api_url + "/chat/completions", json=body, timeout=60) as resp:
+        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+        chunks = [json.loads(next(lines)[len("data: "):]) for _ in range(6)]
+    sent = sum(1 for chunk in chunks if chunk["choices"] and chunk["choices"][0]["delta"].get("content"))
+    deadline = time.monotonic() + 30  # the server notices the hang-up on its own
+    while hangups._value.get() == left_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hangups._value.get() == left_before + 1
+    assert metrics.generated_tokens._value.get() - generated >= sent >= 4
