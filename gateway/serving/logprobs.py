@@ -5,8 +5,10 @@ stream's chunks, and in the legacy completions shape (`tokens`, `token_logprobs`
 
 A chosen token's `bytes` are exactly what it adds to the answer's text, so the entries' bytes
 joined decode to `content`: a special token the answer's text leaves out (`<|im_start|>` from a
-random model) has `""` and no bytes. A token that is part of a character (byte-level BPE splits
-`世` in three) has its raw bytes, and its `token` writes them as `\\xNN`, as OpenAI's does.
+random model) has `""` and no bytes, among its entry's alternatives too (so the legacy shape's
+`top_logprobs`, keyed by text, holds it once). A token that is part of a character (byte-level
+BPE splits `世` in three) has its raw bytes, and its `token` writes them as `\\xNN`, as OpenAI's
+does.
 """
 
 from __future__ import annotations
@@ -57,8 +59,15 @@ class TokenTexts:
     def content(self, entries: Iterable[TokenLogprob], keep_ids: frozenset[int]) -> list[dict[str, Any]]:
         """`entries` as `logprobs.content` items; `keep_ids`: special tokens the answer's text keeps."""
         hidden = self._special - keep_ids
-        return [{**_item(b"" if e.token_id in hidden else self.bytes_of(e.token_id), e.logprob),
-                 "top_logprobs": [_item(self.bytes_of(i), lp) for i, lp in e.top]} for e in entries]
+        return [{**_item(self._written(e.token_id, hidden), e.logprob),
+                 # the chosen token reads the same among the alternatives (its own entry's text);
+                 # the others as the tokenizer writes them, hidden special tokens included
+                 "top_logprobs": [_item(self._written(i, hidden) if i == e.token_id else self.bytes_of(i), lp)
+                                  for i, lp in e.top]} for e in entries]
+
+    def _written(self, token_id: int, hidden: frozenset[int]) -> bytes:
+        """What the chosen `token_id` adds to the answer's text."""
+        return b"" if token_id in hidden else self.bytes_of(token_id)
 
 
 class StreamLogprobs:

@@ -295,6 +295,20 @@ def test_completions_logprobs_have_the_legacy_shape(live):
     assert [o for p in streamed for o in p["text_offset"]] == logprobs["text_offset"]
 
 
+def test_a_special_token_the_text_leaves_out_reads_the_same_in_its_alternatives(live):
+    """`<|im_start|>` (id 1, pushed by logit_bias) writes nothing into the answer: its entry is ""
+    with no bytes, and so is its place among the alternatives; the legacy shape holds it once."""
+    chat_entries = chat(live, greedy(logprobs=True, top_logprobs=2, logit_bias={"1": 100}, max_tokens=2)).json()
+    for entry in chat_entries["choices"][0]["logprobs"]["content"]:
+        assert (entry["token"], entry["bytes"]) == ("", [])
+        assert (entry["top_logprobs"][0]["token"], entry["top_logprobs"][0]["bytes"]) == ("", [])
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "logprobs": 2,
+            "logit_bias": {"1": 100}}
+    legacy = httpx.post(live.api_url + "/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    for token, logprob, top in zip(legacy["tokens"], legacy["token_logprobs"], legacy["top_logprobs"], strict=True):
+        assert token == "" and len(top) == 2 and top[token] == logprob
+
+
 # ---- bad values ---------------------------------------------------------------------------------
 
 
