@@ -44,7 +44,7 @@ class WarmRequest(BaseModel):
 
     tools: list[ToolIn] = Field(default_factory=list)
     system: str | None = None
-    pin: bool = False  # pin the warmed group: never evicted (up to pinned_budget_bytes)
+    pin: bool = Field(False, strict=True)  # pin the warmed group: never evicted (up to pinned_budget_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,7 +174,7 @@ def test_cache_control_breakpoints_are_accepted(client, merchant_tools):
     ({"extra_body": {"top_k": 5}}, "'top_k' is not supported"),
     ({"tools": [ORDER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
     ({"extra_body": {"temperature": 1.5}}, "temperature"),
-    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "'stop_sequences'"),
+    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "'stop_sequences': Value error, at most 4 stop sequences"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},

@@ -128,6 +128,7 @@ def test_unknown_and_malformed_ids(api: httpx.Client, method: str) -> None:
     ({"tools": TOOLS + TOOLS[:1]}, "tools[3].function.name", "appears twice"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name", "at least 1"),
     ({"tools": "get_order"}, "tools", "valid array"),
+    ({"tools": TOOLS, "pin": "yes"}, "pin", "valid boolean"),  # strict, as every boolean the API takes
 ])
 def test_warm_rejects_bad_requests_with_a_400_that_says_why(
         api: httpx.Client, body: dict[str, Any], param: str, needle: str) -> None:
