@@ -30,9 +30,10 @@ def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.Respon
     answer = response_format.answer_schema if response_format is not None else None
     for param, schema in [*named, ("response_format.json_schema.schema", answer)]:
         if schema is not None and not has_finite_instance(schema):
-            raise BadRequest(f"{param} has no finite value: every value it allows holds another one (a $ref "
-                             "that loops back with no way out); make the recursion optional (not required, "
-                             "minItems 0, or anyOf with null)", param=param)
+            raise BadRequest(f"{param} has no finite value: no JSON value is valid for it (an unknown type, "
+                             "an empty anyOf, `false`), or every one it allows holds another (a $ref that loops "
+                             "back with no way out: make the recursion optional, not required, minItems 0, or "
+                             "anyOf with null)", param=param)
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
