@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +31,18 @@ class APIError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         return error_envelope(self.message, self.error_type, self.param, self.code)
+
+    def naming(self, param: str) -> APIError:
+        """This error naming the field `param` instead (another API's name for it), in its message
+        too: a field path wherever it stands, a bare word only quoted (`stop` is English too: "at
+        most 4 stop sequences")."""
+        old = str(self.param)
+        if re.fullmatch(r"\w+", old):
+            message = re.sub(rf"(['\"`]){re.escape(old)}\1", lambda m: f"{m.group(1)}{param}{m.group(1)}",
+                             self.message)
+        else:
+            message = self.message.replace(old, param)
+        return type(self)(message, param=param, code=self.code, headers=self.headers)
 
 
 class BadRequest(APIError):

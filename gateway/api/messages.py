@@ -8,7 +8,6 @@ and `anthropic-beta` headers are accepted whatever they say."""
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,16 +90,7 @@ def _in_messages_terms() -> Iterator[None]:
         param = messages_param(exc.param)
         if param == exc.param:
             raise
-        raise type(exc)(_renamed(exc.message, str(exc.param), str(param)), param=param, code=exc.code,
-                        headers=exc.headers) from None
-
-
-def _renamed(message: str, old: str, new: str) -> str:
-    """`message` naming the field `new` where it named `old`: a field path anywhere, a bare word
-    only quoted (`stop` is English too: "at most 4 stop sequences")."""
-    if re.fullmatch(r"\w+", old):
-        return re.sub(rf"(['\"`]){re.escape(old)}\1", lambda m: f"{m.group(1)}{new}{m.group(1)}", message)
-    return message.replace(old, new)
+        raise exc.naming(str(param)) from None
 
 
 async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:

@@ -252,6 +252,13 @@ def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, st
     assert code is None or error["code"] == code
 
 
+def test_an_error_found_on_the_chat_side_names_the_responses_field_in_its_message_too(live):
+    twice = [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}]
+    error = post(live, {"model": MODEL, "input": "hi", "tools": twice}).json()["error"]
+    assert error["param"] == "tools[1].name"
+    assert error["message"].startswith("tools[1].name 'a' appears twice")
+
+
 # ---- logprobs -----------------------------------------------------------------------------------
 
 LOGPROBS = ["message.output_text.logprobs"]

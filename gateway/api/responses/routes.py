@@ -146,8 +146,7 @@ def _in_responses_terms() -> Iterator[None]:
         param = responses_param(exc.param)
         if param == exc.param:
             raise
-        message = exc.message.replace(f"'{exc.param}'", f"'{param}'")
-        raise type(exc)(message, param=param, code=exc.code, headers=exc.headers) from None
+        raise exc.naming(str(param)) from None
 
 
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
