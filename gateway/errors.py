@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import orjson
@@ -43,6 +44,24 @@ class APIError(Exception):
         else:
             message = self.message.replace(old, param)
         return type(self)(message, param=param, code=self.code, headers=self.headers)
+
+
+def in_terms_of(exc: APIError, fields: Callable[[str | None], str | None]) -> APIError:
+    """`exc`, a chat-side error, naming its field as `fields` maps it (another API's name)."""
+    param = fields(exc.param)
+    return exc if param == exc.param or param is None else exc.naming(param)
+
+
+@contextlib.contextmanager
+def named_by(fields: Callable[[str | None], str | None]) -> Iterator[None]:
+    """Chat-side errors raised inside name their field as `fields` maps it (`in_terms_of`)."""
+    try:
+        yield
+    except APIError as exc:
+        named = in_terms_of(exc, fields)
+        if named is exc:
+            raise
+        raise named from None
 
 
 class BadRequest(APIError):

@@ -7,8 +7,7 @@ and `anthropic-beta` headers are accepted whatever they say."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from gateway.api.messages_stream import (
     stop_reason,
     usage_of,
 )
-from gateway.errors import APIError
+from gateway.errors import APIError, in_terms_of, named_by
 from gateway.metrics import Metrics
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
@@ -73,7 +72,7 @@ def _plan(arrival: Arrival) -> Planned:
     """Parse, translate to chat and prepare (on a prepare thread)."""
     req = parse_model(arrival.body, MessagesRequest)
     body = chat_body(req)  # its own errors name Messages fields already
-    with _in_messages_terms():
+    with named_by(messages_param):
         try:
             chat_req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
@@ -81,20 +80,9 @@ def _plan(arrival: Arrival) -> Planned:
         return Planned(req, prepare_chat(arrival, chat_req))
 
 
-@contextlib.contextmanager
-def _in_messages_terms() -> Iterator[None]:
-    """A chat-side error, naming the Messages field instead (`stop` is `stop_sequences`)."""
-    try:
-        yield
-    except APIError as exc:
-        param = messages_param(exc.param)
-        if param == exc.param:
-            raise
-        raise exc.naming(str(param)) from None
-
-
 async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
-    answer = await runtime.service.complete(prepared)
+    with named_by(messages_param):  # a schema found too large while generating, say
+        answer = await runtime.service.complete(prepared)
     return message_body(prepared.request_id, prepared.model_name, content_of(answer),
                         stop_reason(answer.finish_reason, answer.stop_sequence), usage_of(answer.usage),
                         answer.stop_sequence)
@@ -119,7 +107,7 @@ async def _events(answer: AsyncIterator[AnswerEvent], prepared: Prepared,
             for event in stream.feed(answer_event):
                 yield _sse(event)
     except APIError as exc:
-        for event in stream.fail(exc.message, exc.status_code):
+        for event in stream.fail(in_terms_of(exc, messages_param).message, exc.status_code):
             yield _sse(event)
     except Exception:  # a bug after the first byte: end the stream with an error, count it
         log_stream_bug(metrics, prepared.request_id)

@@ -120,3 +120,14 @@ def test_an_answer_schema_past_the_grammar_limits_is_a_400_naming_it_even_mid_st
     assert json.loads(lines[-2])["error"]["param"] == "response_format"
     served = post(live, "/chat/completions", dict(HI, response_format=_wide_answer(600)))
     assert served.status_code == 200, served.text
+    wide = _wide_answer(3000)["json_schema"]["schema"]
+    model = httpx.get(live.api_url + "/models", timeout=10).json()["data"][0]["id"]
+    messages = post(live, "/messages", {"model": model, "max_tokens": 4, "temperature": 0,
+                                        "messages": HI["messages"],
+                                        "output_config": {"format": {"type": "json_schema", "schema": wide}}})
+    assert messages.status_code == 400, messages.text
+    assert messages.json()["error"]["type"] == "invalid_request_error"  # Anthropic's envelope
+    assert "'output_config.format' schema is too large" in messages.json()["error"]["message"]
+    text_format = {"type": "json_schema", "name": "wide", "schema": wide}
+    rejected(post(live, "/responses", {"model": model, "input": "hi", "max_output_tokens": 4, "temperature": 0,
+                                       "text": {"format": text_format}}), "text.format")

@@ -6,8 +6,7 @@ responses_retrieval.py reads back."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ from gateway.api.responses.retrieval import listed_items
 from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
-from gateway.errors import APIError, BadRequest
+from gateway.errors import APIError, BadRequest, in_terms_of, named_by
 from gateway.protocol.answer import AnswerEvent, Ended
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
@@ -104,7 +103,7 @@ def _plan(arrival: Arrival) -> Planned:
     conversation = (parent.conversation() if parent is not None else []) + turn
     if not conversation:
         raise BadRequest("'input' is required: send text or a list of input items", param="input")
-    with _in_responses_terms():
+    with named_by(responses_param):
         try:
             chat_req = ChatCompletionRequest.model_validate(chat_body(req, conversation))
         except ValidationError as exc:
@@ -137,20 +136,9 @@ def _check_room(store: ResponseStore, parent: Turn | None, added: int) -> None:
                      "start a new conversation", param=param, code="conversation_too_large")
 
 
-@contextlib.contextmanager
-def _in_responses_terms() -> Iterator[None]:
-    """A chat-side error, naming the Responses field instead (`messages` is `input`)."""
-    try:
-        yield
-    except APIError as exc:
-        param = responses_param(exc.param)
-        if param == exc.param:
-            raise
-        raise exc.naming(str(param)) from None
-
-
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
-    answer = await runtime.service.complete(planned.prepared)
+    with named_by(responses_param):  # a schema found too large while generating, say
+        answer = await runtime.service.complete(planned.prepared)
     body = planned.shape.body(status_of(answer.finish_reason), output_of(answer), usage_of(answer.usage))
     _keep(store, planned, body)
     return body
@@ -181,7 +169,7 @@ async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: R
             for event in events:
                 yield _sse(event)
     except APIError as exc:
-        for event in stream.fail(exc.message, exc.code):
+        for event in stream.fail(in_terms_of(exc, responses_param).message, exc.code):
             yield _sse(event)
     except Exception:  # a bug after the first byte: end the response as failed, count it
         log_stream_bug(metrics, planned.prepared.request_id)
