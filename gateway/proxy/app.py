@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import http.cookiejar
 import logging
 import time
 import uuid
@@ -93,11 +94,14 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
 
 def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """One connection pool for every upstream; no environment proxies (the upstreams are named);
-    every request asks for `identity` (answers are read raw: gateway/proxy/bounded.py)."""
+    every request asks for `identity` (answers are read raw: gateway/proxy/bounded.py). No cookie
+    an upstream sets is kept: the client is shared by every tenant, and a kept cookie (a load
+    balancer's session, an auth proxy's) would go out on every other client's requests."""
     timeout = httpx.Timeout(settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    no_cookies = http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, follow_redirects=False,
-                             transport=transport, headers={"accept-encoding": "identity"})
+                             transport=transport, headers={"accept-encoding": "identity"}, cookies=no_cookies)
 
 
 def _install_routes(app: FastAPI) -> None:

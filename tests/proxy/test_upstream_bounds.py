@@ -85,6 +85,18 @@ def test_only_the_headers_toolkv_means_to_send_reach_clients(fakes):
             assert resp.headers["x-toolkv-cache"] == "hit" and resp.headers["x-ratelimit-remaining-requests"] == "9"
 
 
+def test_a_cookie_an_upstream_sets_is_never_sent_again(fakes):
+    """The proxy's client is shared by every tenant: a kept upstream cookie (a balancer's session)
+    would go out on every other client's requests."""
+    arrivals, upstreams = fakes
+    for fake in upstreams:
+        fake.extra_headers = {"set-cookie": "session=upstream; Path=/"}
+    with proxy(upstreams) as live:
+        for stream in (False, True, False):
+            assert post(live, body(stream=stream)).status_code == 200
+    assert len(arrivals.seen) == 3 and not [a for a in arrivals.seen if "cookie" in a.headers]
+
+
 def test_a_redirect_or_a_strange_status_from_an_upstream_is_its_failure(fakes):
     _arrivals, upstreams = fakes
     for status in (302, 307):
