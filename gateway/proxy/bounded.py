@@ -72,6 +72,7 @@ def passed_headers(headers: httpx.Headers, defaults: Mapping[str, str] | None = 
 
 
 def passed_status(status: int) -> bool:
-    """An upstream status a client may get as it is: a success or the client's own error; a
-    redirect, a 5xx or anything stranger is the upstream's failure (502 after the others)."""
-    return 200 <= status < 300 or 400 <= status < 500
+    """An upstream status a client may get as it is: a success (200: every endpoint relayed
+    answers 200 when it succeeds) or the client's own error; a redirect, another 2xx (204, 299), a
+    5xx or anything stranger is the upstream's failure (502 after the others)."""
+    return status == 200 or 400 <= status < 500

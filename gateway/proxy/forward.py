@@ -113,7 +113,7 @@ class Forwarder:
         finally:
             await close_quietly(resp)
             release()
-        return self._answer(url, resp, content)
+        return self._answer(url, resp, content, headers)
 
     async def _open_stream(self, url: str, fwd: Forward, headers: Mapping[str, str],
                            release: Release) -> Answer | Opened | Failure:
@@ -128,7 +128,8 @@ class Forwarder:
                 if opened is None:
                     return self._failed(url, StreamBroken("the stream ended before its first event"), True)
                 return opened
-            return self._answer(url, resp, await read_body(resp, self.bounds.max_bytes, self.bounds.event_timeout_s))
+            content = await read_body(resp, self.bounds.max_bytes, self.bounds.event_timeout_s)
+            return self._answer(url, resp, content, headers)
         except (httpx.HTTPError, StreamBroken, Unreadable) as exc:
             return self._failed(url, exc, answered=resp is not None)
         finally:
@@ -158,15 +159,26 @@ class Forwarder:
         except TimeoutError:
             raise Unreadable(f"no data event within {self.bounds.event_timeout_s:g} s") from None
 
-    def _answer(self, url: str, resp: httpx.Response, content: bytes) -> Answer | Failure:
+    def _answer(self, url: str, resp: httpx.Response, content: bytes,
+                headers: Mapping[str, str]) -> Answer | Failure:
+        """A whole answer a client may get (a JSON object with a 200 or the client's own error),
+        with the credential the proxy sent (`headers`) written out of it; else the upstream's failure."""
         self.metrics.upstream_requests.labels(upstream=url, status=str(resp.status_code)).inc()
         if not passed_status(resp.status_code):
             return Failure(url, answered=True, reason=f"status {resp.status_code}")
-        return Answer(url, resp.status_code, passed_headers(resp.headers), content)
+        if resp.status_code == 200 and not _json_object(content):
+            return Failure(url, answered=True, reason="a 200 whose body is not a JSON object")
+        return Answer(url, resp.status_code, passed_headers(resp.headers), _without_credential(content, headers))
 
     def _failed(self, url: str, exc: Exception, answered: bool) -> Failure:
+        """The failure, in the proxy's own words: an exception's text may quote the upstream's
+        bytes (a malformed status line), which never reach a client."""
         self.metrics.upstream_requests.labels(upstream=url, status="error").inc()
-        return Failure(url, answered, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        if isinstance(exc, StreamBroken | Unreadable):  # worded here
+            return Failure(url, answered, str(exc))
+        if isinstance(exc, httpx.RemoteProtocolError):  # it answered, with something that is not HTTP
+            return Failure(url, True, "a malformed HTTP answer")
+        return Failure(url, answered, type(exc).__name__)
 
     async def relay(self, opened: Opened, fwd: Forward, exchange: Exchange,
                     release_quota: Release) -> AsyncGenerator[bytes, None]:
@@ -210,6 +222,21 @@ class Forwarder:
             if not (usage_only and not fwd.client_usage):
                 kept.append(event)
         return b"".join(kept)
+
+
+def _json_object(content: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(content), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _without_credential(content: bytes, headers: Mapping[str, str]) -> bytes:
+    """`content` with the API key the proxy sent upstream (`upstream_api_key`) hidden: an upstream
+    may quote it back in an error ("bad key Bearer sk-...")."""
+    sent = next((value for name, value in headers.items() if name.lower() == "authorization"), "")
+    key = sent.rpartition(" ")[2].encode()
+    return content.replace(key, b"<hidden>") if len(key) >= 8 else content
 
 
 def answer_usage(kind: Kind, answer: Answer) -> Usage | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import orjson
 
 from tests.proxy.conftest import home_of, messages, proxy, tools_of
@@ -145,3 +146,35 @@ def test_a_stream_that_goes_quiet_but_for_comments_is_ended(fakes):
         assert orjson.loads(sent[1])["choices"][0]["delta"]["content"] == "from " + arrivals.seen[0].upstream
         assert orjson.loads(sent[-2])["error"]["code"] == "upstream_error" and sent[-1] == b"[DONE]"
         assert b": still here" in resp.content  # the comments went on to the client as they came
+
+
+def raw_answer(status_line: bytes, content: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (status_line + b"\r\ncontent-type: " + content_type + b"\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(content), content))
+
+
+@pytest.mark.parametrize(("answer", "says"), [
+    (raw_answer(b"HTTP/1.1 200 OK", b"<html>not json</html>", b"text/html"), "not a JSON object"),
+    (raw_answer(b"HTTP/1.1 200 OK", b'{"choices": [1,2'), "not a JSON object"),
+    (raw_answer(b"HTTP/1.1 200 OK", b"[1,2,3]"), "not a JSON object"),
+    (raw_answer(b"HTTP/1.1 204 No Content", b""), "status 204"),
+    (raw_answer(b"HTTP/1.1 299 Odd", b"{}"), "status 299"),
+    (b"HELLO WORLD\r\n\r\n", "a malformed HTTP answer"),
+])
+def test_an_answer_that_is_not_an_openai_answer_is_the_upstreams_failure(answer, says):
+    """Relayed as sent, each reached the client as a 200 (or a 204, a 299); a status line that is
+    not HTTP was a 503 "not reachable" that quoted its bytes."""
+    with RawUpstream(answer) as raw, proxy([raw]) as live:
+        for stream in (False, True):
+            resp = post(live, body(stream=stream))
+            assert_bad_gateway(resp, says)
+            assert "HELLO" not in resp.text and "html" not in resp.text
+
+
+def test_the_proxys_upstream_key_quoted_back_in_an_error_is_hidden():
+    key = "sk-upstream-SUPERSECRET123"
+    answer = raw_answer(b"HTTP/1.1 401 Unauthorized", b'{"error": {"message": "bad key Bearer %s"}}' % key.encode())
+    with RawUpstream(answer) as raw, proxy([raw], upstream_api_key=key) as live:
+        resp = post(live, body())
+    assert resp.status_code == 401 and key not in resp.text
+    assert resp.json()["error"]["message"] == "bad key Bearer <hidden>"
