@@ -23,7 +23,7 @@ from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
 from gateway.serving.cache_admin import read_configured_groups, warm_configured
 from gateway.serving.service import ChatService
-from gateway.settings import Settings
+from gateway.settings import Settings, format_size
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,10 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                              f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
     store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
     info = ModelInfo.of(loaded.model, tokenizer, identity)
+    block_bytes = info.pool_shape.bytes_per_token * settings.kv_block_tokens if info.pool_shape else 0
+    if settings.ram_budget_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
+        raise ValueError(f"ram_budget_bytes ({format_size(settings.ram_budget_bytes)}) holds no KV block: one "
+                         f"block of {settings.kv_block_tokens} tokens of this model takes {format_size(block_bytes)}")
     # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py).
     opening = turn_opening(tokenizer, PromptRenderer(tokenizer, family).template)
     engine = Engine(loaded.model, tokenizer, info, store, min_prefix_tokens=settings.min_prefix_tokens,

@@ -35,6 +35,18 @@ def test_health_answers_at_once_and_chat_gets_503_while_loading(tiny_model_dir, 
         assert ok.status_code == 200
 
 
+def test_a_ram_budget_that_holds_no_kv_block_fails_the_load_not_every_request(tiny_model_dir, tmp_path):
+    """`--ram-budget-bytes 1` said ok on /health, then refused every request for a pool of 0 tokens."""
+    settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "cache_dir": str(tmp_path),
+                                        "ram_budget_bytes": 1}, environ={})
+    with serve_app(create_app(settings, build_runtime), wait_ready=False) as live:
+        health = wait_until_ready(live.base_url)
+        assert health["status"] == "failed"
+        assert "ram_budget_bytes (1 B) holds no KV block" in str(health)
+        resp = httpx.post(live.api_url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 503
+
+
 def test_health_says_ok_only_once_the_first_grammars_one_time_work_is_done(live):
     """A first request with tools used to pay llguidance's view of the vocabulary and the closing
     token sets (about a second on the CPU) on top of its own work: the server pays it at start-up,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 import orjson
+import pytest
 
 from tests.proxy.conftest import home_of, messages, proxy, tools_of
 from tests.proxy.fake_upstream import RawUpstream
