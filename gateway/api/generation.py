@@ -116,7 +116,8 @@ def sse_response(state: Any, prepared: Prepared, events: AsyncIterator[dict[str,
     """Send `events`; call once the job's first chunk is in hand (its headers are known then)."""
     return EventSourceResponse(tracked(state.metrics.in_flight, events, release), sep="\n", ping=15,
                                headers=prepared.response_headers(),
-                               shutdown_grace_period=state.settings.shutdown_grace_s)
+                               # past toolkv's own cut-off at the grace's end (edge/server.py GraceServer)
+                               shutdown_grace_period=state.settings.shutdown_grace_s + 2)
 
 
 async def sse_data(first: dict[str, Any] | None, chunks: AsyncIterator[dict[str, Any]], metrics: Metrics,

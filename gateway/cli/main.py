@@ -191,11 +191,18 @@ def _start_logging(resolved: ResolvedSettings) -> None:
 
 def _run_server(settings: Settings) -> None:
     # lazy: uvicorn and the app (the model's torch, or the proxy's httpx) only when serving
-    import uvicorn
+    from gateway.edge.server import GraceServer, server_config
 
-    from gateway.edge.server import server_config  # lazy: with uvicorn, only when serving
+    app = _app(settings)
+    GraceServer(server_config(app, settings), settings.shutdown_grace_s, lambda: end_generations(app)).run()
 
-    uvicorn.Server(server_config(_app(settings), settings)).run()
+
+def end_generations(app: Any) -> None:
+    """At the end of the shutdown grace period, end the generations still running (a proxy has none)."""
+    runtime = getattr(app.state, "runtime", None)
+    if runtime is not None:
+        runtime.engine.cut_off("the server shut down before this request finished (its shutdown grace period "
+                               "ran out); retry it")
 
 
 def _serve_on_ray(resolved: ResolvedSettings) -> int:

@@ -11,6 +11,7 @@ kept-alive connection.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -58,6 +59,30 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 def protocol_class(settings: Settings) -> type[HeaderTimeoutProtocol]:
     return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
                 {"header_timeout_s": settings.header_read_timeout_s})
+
+
+class GraceServer(uvicorn.Server):
+    """uvicorn's server, with a hook at the end of the shutdown grace period: `at_grace_end` runs
+    `grace_s` after the first exit signal, on the event loop. toolkv ends the generations still
+    running there, so each client gets its API's `shutting_down` error (in a stream: an error
+    event, then its end) before sse-starlette (at grace + 2 s) and uvicorn (grace + 5 s) cancel
+    what is left, which cuts a stream off mid-way."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float, at_grace_end: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._grace_s = grace_s
+        self._at_grace_end = at_grace_end
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self._loop is not None:  # a signal handler: hand the timer to the loop
+            self._loop.call_soon_threadsafe(self._loop.call_later, self._grace_s, self._at_grace_end)
 
 
 def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:

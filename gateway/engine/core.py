@@ -41,7 +41,7 @@ import torch
 
 from gateway.engine import fused_layers
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
-from gateway.engine.events import Job, Task, TooLarge
+from gateway.engine.events import CutOff, Job, Task, TooLarge
 from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
@@ -126,6 +126,15 @@ class Engine:
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
         job.submitted = time.perf_counter()
         self._intake.put(job)
+
+    def cut_off(self, reason: str) -> Future[Any]:
+        """End every running generation with `CutOff(reason)` (the shutdown grace period ran out),
+        between steps: each client gets its API's error (an error event, then the end of its stream)
+        before the server cancels what is left."""
+        def cut() -> None:
+            for seq in list(self._running):
+                self._outputs.fail(seq, CutOff(reason))
+        return self.call(cut)
 
     def abort(self, job: Job) -> None:
         """Stop a job wherever it is (queued, waiting or running); its blocks are freed."""

@@ -52,6 +52,7 @@ class Finished:
 class Failed:
     message: str
     param: str | None = None  # set when the request is at fault (its schema ran the grammar past a limit): a 400
+    shutting_down: bool = False  # cut off at the end of the shutdown grace period: a 503 the client may retry
 
 
 EngineEvent = Prefilled | TextDelta | Finished | Failed
@@ -92,6 +93,10 @@ class QueueFull(Exception):
 
 class TooLarge(Exception):
     """The job needs more KV blocks than the whole pool has: it can never run."""
+
+
+class CutOff(Exception):
+    """The shutdown grace period ran out while the job was still generating."""
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ import torch
 
 from gateway.engine.cache_manager import KVCacheManager
 from gateway.engine.constraints import GrammarLimit
-from gateway.engine.events import Failed, Finished, Job, Prefilled
+from gateway.engine.events import CutOff, Failed, Finished, Job, Prefilled
 from gateway.engine.sampling import NonFiniteLogits, all_finite, on_host, picks_of
 from gateway.engine.sequence import Phase, Sequence
 
@@ -176,7 +176,7 @@ class OutputProcessor:
         self.fail_job(seq.job, exc)
 
     def fail_job(self, job: Job, exc: Exception) -> None:
-        if isinstance(exc, GrammarLimit):  # the request's own schema: a 400 naming it, not a fault here
+        if isinstance(exc, GrammarLimit | CutOff):  # the request's own schema, or the shutdown: no fault here
             log.info("generation stopped: %s", exc)
         else:
             log.error("generation failed", exc_info=exc)
@@ -185,6 +185,9 @@ class OutputProcessor:
             return
         if isinstance(exc, GrammarLimit):
             job.emit(Failed(str(exc), exc.param))
+            return
+        if isinstance(exc, CutOff):
+            job.emit(Failed(str(exc), shutting_down=True))
             return
         # The client sees no exception text: it may hold a path or other server detail.
         job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))

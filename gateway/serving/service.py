@@ -25,7 +25,14 @@ from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarE
 from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
-from gateway.errors import APIError, BadRequest, ContextLengthExceeded, GenerationFailed, Overloaded
+from gateway.errors import (
+    APIError,
+    BadRequest,
+    ContextLengthExceeded,
+    GenerationFailed,
+    Overloaded,
+    ShuttingDown,
+)
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent, Ended, Started
@@ -397,7 +404,9 @@ def stop_before(family: ChatFamily, forced_opening: str) -> str:
 
 def failure(event: Failed) -> APIError:
     """What the client hears of a generation that failed: a 400 naming the field when its own
-    schema was at fault (the grammar ran past a limit), else a 500."""
+    schema was at fault (the grammar ran past a limit), a 503 when the shutdown cut it off, else a 500."""
+    if event.shutting_down:
+        return ShuttingDown(event.message, headers={"Retry-After": "1"})
     return BadRequest(event.message, param=event.param) if event.param else GenerationFailed(event.message)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -71,6 +72,33 @@ def test_a_request_cut_off_by_shutdown_gets_the_json_error_envelope(tiny_model_d
         error = resp.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "shutting_down")
         assert resp.headers["retry-after"] == "1"
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_then_its_end(tiny_model_dir,
+                                                                                            tmp_path):
+    """Before, sse-starlette cancelled it at the grace's end: the client's stream stopped mid-answer,
+    with no error and no [DONE] (curl: a partial transfer), logged as a client that hung up."""
+    port = free_port()
+    proc = start_server(tiny_model_dir("llama", context=32768), tmp_path, port, TOOLKV_SHUTDOWN_GRACE_S="1")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_until_ready(base)["status"] == "ok"
+        body = {"messages": [{"role": "user", "content": "story"}], "max_tokens": 32000, "temperature": 0,
+                "stream": True, "stop": ["\x00never"]}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert first.startswith("data: {")
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert (error["type"], error["code"]) == ("server_error", "shutting_down")
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         if proc.poll() is None:
