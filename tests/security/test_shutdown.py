@@ -25,20 +25,26 @@ def start_server(model: Path, tmp_path: Path, port: int, **settings: str) -> sub
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def stream_then_sigterm(proc: subprocess.Popen[bytes], base: str, max_tokens: int) -> list[str]:
+    """Stream a greedy answer, send SIGTERM once its first chunk is in, and read the rest: the
+    `data:` lines after the first."""
+    body = {"messages": [{"role": "user", "content": "story"}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stop": ["\x00never"]}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert first.startswith("data: {")
+        proc.send_signal(signal.SIGTERM)
+        return [line for line in lines if line.startswith("data: ")]
+
+
 def test_sigterm_drains_a_stream_in_flight(tiny_model_dir, tmp_path):
     port = free_port()
     proc = start_server(tiny_model_dir("llama"), tmp_path, port)
     try:
         base = f"http://127.0.0.1:{port}"
         assert wait_until_ready(base)["status"] == "ok"
-        body = {"messages": [{"role": "user", "content": "story"}], "max_tokens": 300, "temperature": 0,
-                "stream": True, "stop": ["\x00never"]}
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as resp:
-            lines = resp.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert first.startswith("data: {")
+        rest = stream_then_sigterm(proc, base, max_tokens=300)
         assert rest[-1] == "data: [DONE]"
         assert any('"finish_reason":"' in line for line in rest)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained on
@@ -88,14 +94,7 @@ def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_t
     try:
         base = f"http://127.0.0.1:{port}"
         assert wait_until_ready(base)["status"] == "ok"
-        body = {"messages": [{"role": "user", "content": "story"}], "max_tokens": 32000, "temperature": 0,
-                "stream": True, "stop": ["\x00never"]}
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as resp:
-            lines = resp.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert first.startswith("data: {")
+        rest = stream_then_sigterm(proc, base, max_tokens=32000)
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert (error["type"], error["code"]) == ("server_error", "shutting_down")
