@@ -21,8 +21,7 @@ from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta
 from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
-from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarError, Grammars
-from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
+from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Grammars
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import (
@@ -43,13 +42,12 @@ from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,
     check_unique_names,
-    forced_name,
     marker_ids,
     max_token_chars,
-    special_markers,
 )
-from gateway.serving.jobs import ForcedCall, Outcome, Prepared, unset_emit, usage_of
+from gateway.serving.jobs import Outcome, Prepared, unset_emit, usage_of
 from gateway.serving.logprobs import StreamLogprobs, TokenTexts
+from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -79,14 +77,15 @@ class ChatService:
         self.accounting = Accounting(metrics)
         self.cache_enabled = cache_enabled
         self.default_max_tokens = default_max_tokens
-        self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_ids, grammar_cache_bytes)  # per tenant
-        self.call_specials = special_markers(tokenizer, family.call_markers, info.special_ids)
-        self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
-        self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
-        # special tokens "auto" free text may hold, as without a grammar (not the end of the output)
-        self.free_specials = tuple(sorted(info.special_ids - info.eos_ids))
+        self.output = OutputGrammar(tokenizer, info, family, max_string_chars=max_string_chars,
+                                    reserve_tokens=reserve_tokens, grammar_cache_bytes=grammar_cache_bytes)
         self.token_texts = TokenTexts(tokenizer, info.special_ids)
         self.num_token_ids = info.num_token_ids
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled grammars, kept per tenant (their memory is a metric)."""
+        return self.output.grammars
 
     # ---- preparing -------------------------------------------------------------------------
 
@@ -110,7 +109,7 @@ class ChatService:
         self._check_characters_rendered(rendered.text)
         group_id = rendered.group.group_id  # a hash of the whole group: computed once
         salt = salt_for(group_id) if salt_for is not None else ""
-        forced = self._forced_call(req, tools)
+        forced = self.output.forced_call(req, tools)
         ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, salt)
         forced_ids: list[int] = []
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
@@ -127,13 +126,13 @@ class ChatService:
         if params.max_tokens:  # a grammar will hold the output to these schemas
             check_finite_schemas(tools if tools_active else [], req.response_format)
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
-        constraint = None if params.max_tokens == 0 else self._constraint(req, rendered.group.tools, tools_active,
-                                                                          forced_ids, params.max_tokens, tenant)
+        constraint = None if params.max_tokens == 0 else self.output.constraint(
+            req, rendered.group.tools, tools_active, forced_ids, params.max_tokens, tenant)
         job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=unset_emit,
                   use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names, retention_s=req.retention_s,
                   keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint,
-                  stop_before=stop_before(self.family, forced.opening) if tools_active else None)
+                  stop_before=self.output.stop_before(forced.opening) if tools_active else None)
         commit()  # accepted: only now may its tokenized head be remembered
         return Prepared(job=job, model_name=self.model_name,
                         tools_active=tools_active,
@@ -185,59 +184,6 @@ class ChatService:
         except RenderError as exc:
             raise BadRequest(str(exc), param="messages") from None
 
-    def _forced_call(self, req: ChatCompletionRequest, tools: list[ToolSpec]) -> ForcedCall:
-        """`required` forces the opening of some call; a named function (or `required` with one
-        tool) forces the opening with its name, or the whole call when it takes no arguments."""
-        name = forced_name(req, tools)
-        if name is None:
-            required = req.tool_mode == "required" and bool(tools)
-            return ForcedCall(self.family.call_opening(None) if required else "")
-        if next(t for t in tools if t.name == name).takes_no_arguments:
-            return ForcedCall(self.family.call_text(name), complete=True)
-        return ForcedCall(self.family.call_opening(name))
-
-    def _constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
-                    forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
-        """The grammar this request's output must follow (gateway/engine/grammar_text.py), having
-        consumed the forced opening; None when the output is free text. Compiled grammars are
-        reused only within `tenant` (no cross-tenant timing)."""
-        answer = req.response_format.answer_schema if req.response_format is not None else None
-        mode: Mode = "auto"
-        if tools_active:
-            only = forced_name(req, list(tools))
-            mode = "required" if req.tool_mode == "required" else "auto"
-            callable_tools = [t for t in tools if req.may_call(t.name)]  # all still in the prompt
-            grammar = tool_grammar(self.family.call_syntax(), callable_tools, mode=mode, only=only,
-                                   parallel=req.parallel_tool_calls is not False,
-                                   answer_schema=answer, specials=self.call_specials,
-                                   max_string=self.max_string_chars, free_tokens=self.free_specials)
-            param = "tools"
-        elif answer is not None:
-            grammar, param = json_grammar(answer, self.max_string_chars), "response_format"
-        else:
-            return None
-        try:
-            # the reserve is at most a quarter of the budget, so a short answer is not all closing
-            # ... and never in "auto" free text: steering would end the model's own answer early
-            free_text = tools_active and mode == "auto" and answer is None
-            closing = (max_tokens - min(self.reserve_tokens, max_tokens // 4)
-                       if self.reserve_tokens and not free_text else None)
-            return self.grammars.constraint(grammar, param, forced_ids, closing, namespace=tenant)
-        except GrammarError as exc:
-            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param, tenant)) from None
-
-    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str, tenant: str = "") -> str:
-        """The first tool whose schema alone does not compile (`tools[i].function.parameters`)."""
-        if param != "tools":
-            return param
-        for index, tool in enumerate(tools):
-            try:
-                self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools",
-                                         namespace=tenant)
-            except GrammarError:
-                return f"tools[{index}].function.parameters"
-        return param
-
     def warm_up(self) -> None:
         """Pay before the server says it is ready what the first request would otherwise pay once:
         the template's first render and tokenize, and for constrained output llguidance's view of
@@ -248,8 +194,7 @@ class ChatService:
                                         "required": ["x"]})
         rendered = self._render([ChatMessage("system", "warm-up"), ChatMessage("user", "hi")], [tool])
         self.tokenizer(rendered.text, add_special_tokens=False)
-        self.grammars.warm_up(tool_grammar(self.family.call_syntax(), [tool], mode="auto",
-                                           specials=self.call_specials, free_tokens=self.free_specials))
+        self.output.warm_up(tool)
         log.info("service warm-up: %.1fs (template, tokenizer, grammar)", time.perf_counter() - started)
 
     def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
@@ -392,14 +337,6 @@ class ChatService:
         # the entries no event carried; the consumer asks for more once it has sent the end
         yield Ended(reason, usage_of(prepared, outcome), logprobs.take(), outcome.finish.stop_sequence)
         self.accounting.record(prepared, outcome, "200", stream=True)
-
-
-def stop_before(family: ChatFamily, forced_opening: str) -> str:
-    """Where stop sequences stop applying (the engine's `Job.stop_before`): at the trigger of the
-    family's call section, or nowhere when the output starts inside a forced call. The grammar
-    holds a call to its schema; a stop sequence matching inside it would cut it into arguments
-    that are not JSON, reported as a finished call."""
-    return "" if forced_opening else family.call_syntax().trigger
 
 
 def failure(event: Failed) -> APIError:

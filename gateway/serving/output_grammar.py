@@ -1,0 +1,94 @@
+"""What a request's output is held to: the call `tool_choice` forces, the grammar its tokens
+follow (tools, `response_format`: gateway/engine/grammar_text.py, compiled per tenant by
+gateway/engine/constraints.py), and where stop sequences stop applying."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.base import ChatFamily, ToolSpec
+from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarError, Grammars
+from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
+from gateway.engine.model_info import ModelInfo
+from gateway.errors import BadRequest
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.serving.checks import forced_name, special_markers
+from gateway.serving.jobs import ForcedCall
+
+
+class OutputGrammar:
+    def __init__(self, tokenizer: Any, info: ModelInfo, family: ChatFamily, *, max_string_chars: int = 0,
+                 reserve_tokens: int = 0, grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
+        self.family = family
+        self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_ids, grammar_cache_bytes)  # per tenant
+        self.call_specials = special_markers(tokenizer, family.call_markers, info.special_ids)
+        self.max_string_chars = max_string_chars  # the bound on strings a schema leaves unbounded
+        self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
+        # special tokens "auto" free text may hold, as without a grammar (not the end of the output)
+        self.free_specials = tuple(sorted(info.special_ids - info.eos_ids))
+
+    def forced_call(self, req: ChatCompletionRequest, tools: list[ToolSpec]) -> ForcedCall:
+        """`required` forces the opening of some call; a named function (or `required` with one
+        tool) forces the opening with its name, or the whole call when it takes no arguments."""
+        name = forced_name(req, tools)
+        if name is None:
+            required = req.tool_mode == "required" and bool(tools)
+            return ForcedCall(self.family.call_opening(None) if required else "")
+        if next(t for t in tools if t.name == name).takes_no_arguments:
+            return ForcedCall(self.family.call_text(name), complete=True)
+        return ForcedCall(self.family.call_opening(name))
+
+    def constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
+                   forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
+        """The grammar this request's output must follow (gateway/engine/grammar_text.py), having
+        consumed the forced opening; None when the output is free text. Compiled grammars are
+        reused only within `tenant` (no cross-tenant timing)."""
+        answer = req.response_format.answer_schema if req.response_format is not None else None
+        mode: Mode = "auto"
+        if tools_active:
+            only = forced_name(req, list(tools))
+            mode = "required" if req.tool_mode == "required" else "auto"
+            callable_tools = [t for t in tools if req.may_call(t.name)]  # all still in the prompt
+            grammar = tool_grammar(self.family.call_syntax(), callable_tools, mode=mode, only=only,
+                                   parallel=req.parallel_tool_calls is not False,
+                                   answer_schema=answer, specials=self.call_specials,
+                                   max_string=self.max_string_chars, free_tokens=self.free_specials)
+            param = "tools"
+        elif answer is not None:
+            grammar, param = json_grammar(answer, self.max_string_chars), "response_format"
+        else:
+            return None
+        try:
+            # the reserve is at most a quarter of the budget, so a short answer is not all closing
+            # ... and never in "auto" free text: steering would end the model's own answer early
+            free_text = tools_active and mode == "auto" and answer is None
+            closing = (max_tokens - min(self.reserve_tokens, max_tokens // 4)
+                       if self.reserve_tokens and not free_text else None)
+            return self.grammars.constraint(grammar, param, forced_ids, closing, namespace=tenant)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param, tenant)) from None
+
+    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str, tenant: str = "") -> str:
+        """The first tool whose schema alone does not compile (`tools[i].function.parameters`)."""
+        if param != "tools":
+            return param
+        for index, tool in enumerate(tools):
+            try:
+                self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools",
+                                         namespace=tenant)
+            except GrammarError:
+                return f"tools[{index}].function.parameters"
+        return param
+
+    def stop_before(self, forced_opening: str) -> str:
+        """Where stop sequences stop applying (the engine's `Job.stop_before`): at the trigger of
+        the family's call section, or nowhere when the output starts inside a forced call. The
+        grammar holds a call to its schema; a stop sequence matching inside it would cut it into
+        arguments that are not JSON, reported as a finished call."""
+        return "" if forced_opening else self.family.call_syntax().trigger
+
+    def warm_up(self, tool: ToolSpec) -> None:
+        """llguidance's one-time work (the vocabulary's view, the closing sets) and a first
+        compile, with a grammar for `tool`; nothing is kept."""
+        self.grammars.warm_up(tool_grammar(self.family.call_syntax(), [tool], mode="auto",
+                                           specials=self.call_specials, free_tokens=self.free_specials))
