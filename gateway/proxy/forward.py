@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 import httpx
@@ -44,6 +44,7 @@ class Answer:
     status: int
     headers: dict[str, str]
     content: bytes
+    body: dict[str, Any] | None = None  # a 200's JSON object, parsed once (its usage is read from it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,14 +162,17 @@ class Forwarder:
 
     def _answer(self, url: str, resp: httpx.Response, content: bytes,
                 headers: Mapping[str, str]) -> Answer | Failure:
-        """A whole answer a client may get (a JSON object with a 200 or the client's own error),
-        with the credential the proxy sent (`headers`) written out of it; else the upstream's failure."""
+        """A whole answer a client may get: a JSON object with a 200, or the client's own error with
+        the credential the proxy sent (`headers`) written out of it; else the upstream's failure."""
         self.metrics.upstream_requests.labels(upstream=url, status=str(resp.status_code)).inc()
         if not passed_status(resp.status_code):
             return Failure(url, answered=True, reason=f"status {resp.status_code}")
-        if resp.status_code == 200 and not _json_object(content):
+        if resp.status_code != 200:
+            return Answer(url, resp.status_code, passed_headers(resp.headers), _without_credential(content, headers))
+        body = _json_object(content)
+        if body is None:
             return Failure(url, answered=True, reason="a 200 whose body is not a JSON object")
-        return Answer(url, resp.status_code, passed_headers(resp.headers), _without_credential(content, headers))
+        return Answer(url, resp.status_code, passed_headers(resp.headers), content, body)
 
     def _failed(self, url: str, exc: Exception, answered: bool) -> Failure:
         """The failure, in the proxy's own words: an exception's text may quote the upstream's
@@ -224,11 +228,12 @@ class Forwarder:
         return b"".join(kept)
 
 
-def _json_object(content: bytes) -> bool:
+def _json_object(content: bytes) -> dict[str, Any] | None:
     try:
-        return isinstance(orjson.loads(content), dict)
+        body = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return False
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _without_credential(content: bytes, headers: Mapping[str, str]) -> bytes:
@@ -240,12 +245,8 @@ def _without_credential(content: bytes, headers: Mapping[str, str]) -> bytes:
 
 
 def answer_usage(kind: Kind, answer: Answer) -> Usage | None:
-    """Parsed usage of a whole 200 answer (None when it has none or is not JSON)."""
-    try:
-        body = orjson.loads(answer.content)
-    except orjson.JSONDecodeError:
-        return None
-    return body_usage(kind, body) if isinstance(body, dict) else None
+    """Usage of a whole 200 answer (None when it has none)."""
+    return body_usage(kind, answer.body) if answer.body is not None else None
 
 
 def no_upstream(failures: list[Failure]) -> BadGateway | UpstreamUnavailable:
