@@ -176,21 +176,26 @@ class OutputProcessor:
         self.fail_job(seq.job, exc)
 
     def fail_job(self, job: Job, exc: Exception) -> None:
-        if isinstance(exc, GrammarLimit | CutOff):  # the request's own schema, or the shutdown: no fault here
+        failed = _expected(exc)
+        if failed is not None:  # the request's own schema, or the shutdown: no fault here
             log.info("generation stopped: %s", exc)
         else:
             log.error("generation failed", exc_info=exc)
+            # The client sees no exception text: it may hold a path or other server detail.
+            failed = Failed(f"generation failed ({type(exc).__name__}); the server log has the details")
         if job.warm is not None:
             job.warm.set_exception(exc)
-            return
-        if isinstance(exc, GrammarLimit):
-            job.emit(Failed(str(exc), exc.param))
-            return
-        if isinstance(exc, CutOff):
-            job.emit(Failed(str(exc), shutting_down=True))
-            return
-        # The client sees no exception text: it may hold a path or other server detail.
-        job.emit(Failed(f"generation failed ({type(exc).__name__}); the server log has the details"))
+        else:
+            job.emit(failed)
+
+
+def _expected(exc: Exception) -> Failed | None:
+    """The event of a failure that is no fault of the server's (told to the client in full)."""
+    if isinstance(exc, GrammarLimit):
+        return Failed(str(exc), exc.param)
+    if isinstance(exc, CutOff):
+        return Failed(str(exc), shutting_down=True)
+    return None
 
 
 class _NonFinite(RuntimeError):
