@@ -63,6 +63,8 @@ class MessageIn(Lenient):
     def _content_required(self) -> MessageIn:
         if self.content is None and not (self.role == "assistant"):
             raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.role == "tool" and self.tool_call_id is None:  # OpenAI's rule; "function" results carry `name`
+            raise ValueError("a 'tool' message needs 'tool_call_id': the id of the call it answers")
         return self
 
     def to_chat(self) -> ChatMessage:

@@ -70,6 +70,29 @@ def event_data(event: bytes) -> bytes:
     return b"\n".join(data)
 
 
+# The events that end each API's stream; an upstream that closes its stream before one of them
+# (a close-delimited answer cut off looks like a clean end to HTTP) broke it off.
+_LAST_EVENTS: dict[Kind, frozenset[str]] = {
+    "responses": frozenset({"response.completed", "response.failed", "response.incomplete", "error"}),
+    "messages": frozenset({"message_stop", "error"}),
+}
+
+
+def ends_stream(kind: Kind, event: bytes) -> bool:
+    """Whether `event` is the last one its API sends: `data: [DONE]` (chat, completions), the
+    response's final state or an error (Responses), `message_stop` or an error (Messages)."""
+    last = _LAST_EVENTS.get(kind)
+    if last is None:
+        return b"[DONE]" in event and event_data(event).strip() == b"[DONE]"
+    if not any(name.encode() in event for name in last):  # most events: no parse
+        return False
+    try:
+        data = orjson.loads(event_data(event))
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and data.get("type") in last
+
+
 def event_usage(kind: Kind, event: bytes) -> tuple[Usage | None, bool]:
     """The usage an event reports, and whether the event carries nothing else (OpenAI's final
     `include_usage` chunk, whose `choices` is empty)."""

@@ -24,7 +24,7 @@ import orjson
 from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
 from gateway.protocol.messages import error_body as anthropic_error
 from gateway.proxy.bounded import Unreadable, check_encoding, passed_headers, passed_status, read_body
-from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, event_usage, has_data
+from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, ends_stream, event_usage, has_data
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.metrics import Usage
 from gateway.proxy.routing import Route
@@ -190,6 +190,7 @@ class Forwarder:
         the client went away first)."""
         status = 499
         exchange.first_event_at = opened.first_at
+        ended = any(ends_stream(fwd.kind, event) for event in opened.first)
         try:
             if head := self._kept(opened.first, fwd, exchange):
                 yield head
@@ -198,9 +199,13 @@ class Forwarder:
                 events = opened.splitter.feed(data)
                 if any(has_data(event) for event in events):
                     deadline = anyio.current_time() + self.bounds.event_timeout_s
+                ended = ended or any(ends_stream(fwd.kind, event) for event in events)
                 if kept := self._kept(events, fwd, exchange):
                     yield kept
-            if rest := opened.splitter.rest():
+            rest = opened.splitter.rest()  # a last event without its blank line still counts
+            if not (ended or ends_stream(fwd.kind, rest)):  # cut off, though HTTP saw a clean end
+                raise StreamBroken("the upstream closed the stream before its last event")
+            if rest:
                 yield rest
             status = 200
         except (httpx.HTTPError, StreamBroken, Unreadable) as exc:

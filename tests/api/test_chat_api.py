@@ -152,6 +152,7 @@ def test_models_lists_the_served_model(client):
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
     ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, 400, "messages[1]", None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400, "max_tokens", None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens",
      "context_length_exceeded"),

@@ -178,3 +178,22 @@ def test_the_proxys_upstream_key_quoted_back_in_an_error_is_hidden():
         resp = post(live, body())
     assert resp.status_code == 401 and key not in resp.text
     assert resp.json()["error"]["message"] == "bad key Bearer <hidden>"
+
+
+def test_a_stream_closed_before_its_last_event_ends_with_an_error_event():
+    """A close-delimited stream (no length, not chunked) that stops early looks like a clean end to
+    HTTP: without its `[DONE]` the client gets the upstream_error event, not a short answer that
+    reads as whole; with it the stream passes as sent."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]}
+    cut = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+           b"data: " + orjson.dumps(chunk) + b"\n\n")
+    with RawUpstream(cut) as raw, proxy([raw]) as live:
+        sent = events(post(live, body(stream=True)))
+    assert orjson.loads(sent[0])["choices"][0]["delta"]["content"] == "Hel"
+    assert orjson.loads(sent[-2])["error"]["code"] == "upstream_error" and sent[-1] == b"[DONE]"
+    for ending in (b"data: [DONE]\n\n", b"data: [DONE]"):  # the last event's blank line may be cut
+        with RawUpstream(cut + ending) as raw, proxy([raw]) as live:
+            resp = post(live, body(stream=True))
+        assert resp.status_code == 200 and b"upstream_error" not in resp.content
+        assert events(resp)[-1] == b"[DONE]"
