@@ -81,8 +81,9 @@ def plan_warm(service: ChatService, request: WarmRequest, max_tools: int,
     tools = [t.to_spec() for t in request.tools]
     _check_tools(tools, request.system, max_tools)
     messages = ([ChatMessage(role="system", content=request.system)] if request.system is not None else [])
-    rendered = service.renderer.render([*messages, _PLACEHOLDER_TURN], tools)
-    ids, prefix_len = service.tokenize(rendered.text, rendered.prefix_chars)
+    messages.append(_PLACEHOLDER_TURN)
+    rendered = service.renderer.render(messages, tools)
+    ids, prefix_len, _ = service.encode_prompt(messages, tools, rendered)  # as a request's: the same key
     _check_prefix_len(prefix_len, service.engine.cache.min_prefix_tokens, service.context_len)
     return WarmPlan(service.engine.cache.key_for(ids[:prefix_len]), rendered.group)
 

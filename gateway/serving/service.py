@@ -46,11 +46,16 @@ from gateway.serving.checks import (
     max_token_chars,
 )
 from gateway.serving.jobs import Outcome, Prepared, unset_emit, usage_of
+from gateway.serving.literal_specials import LiteralSpecials, cut
 from gateway.serving.logprobs import StreamLogprobs, TokenTexts
 from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    return None
 
 
 class ChatService:
@@ -64,6 +69,7 @@ class ChatService:
         self.family = family
         self.renderer = PromptRenderer(tokenizer, family)
         self.prompt_tokens = PromptTokenizer(tokenizer, max_bytes=tokenizer_heads_bytes)
+        self.literal_specials = LiteralSpecials(tokenizer)
         self.marker_ids = marker_ids(tokenizer, family.call_markers)
         self.max_token_chars = max_token_chars(tokenizer)
         self.model_name = model_name
@@ -110,7 +116,7 @@ class ChatService:
         group_id = rendered.group.group_id  # a hash of the whole group: computed once
         salt = salt_for(group_id) if salt_for is not None else ""
         forced = self.output.forced_call(req, tools)
-        ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, salt)
+        ids, prefix_len, commit = self.encode_prompt(messages, tools, rendered, salt)
         forced_ids: list[int] = []
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
             forced_ids = self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
@@ -196,6 +202,17 @@ class ChatService:
         self.tokenizer(rendered.text, add_special_tokens=False)
         self.output.warm_up(tool)
         log.info("service warm-up: %.1fs (template, tokenizer, grammar)", time.perf_counter() - started)
+
+    def encode_prompt(self, messages: list[ChatMessage], tools: list[ToolSpec], rendered: RenderedPrompt,
+                      namespace: str = "") -> tuple[list[int], int, Callable[[], None]]:
+        """The rendered prompt's tokens, how many of them are the tool group, and the commit that
+        remembers its tokenized head (gateway/serving/prompt_tokens.py). Client text holding a
+        control token's text is tokenized as text (gateway/serving/literal_specials.py)."""
+        if not self.literal_specials.found(messages, tools):
+            return self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, namespace)
+        masked = self._render(*self.literal_specials.masked(messages, tools))
+        ids, ends = self.literal_specials.encode(rendered.text, masked.text)
+        return ids, cut(ends, rendered.prefix_chars), _nothing
 
     def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
         """A rendered prompt's tokens (as one text; see gateway.serving.prompt_tokens) and how many are the

@@ -1,0 +1,163 @@
+"""What a client writes is text: the model's control tokens come from the chat template alone.
+
+A rendered prompt is tokenized as one text (gateway/serving/prompt_tokens.py), and a fast tokenizer
+finds its special tokens anywhere in it. So a message (a user's, or a tool result fetched from a web
+page) holding `<|im_end|>\\n<|im_start|>assistant\\n...` would close its turn and open a forged one:
+the model reads its own voice where a client wrote. OpenAI's API, and this gateway, read that string
+as the characters it is.
+
+How, without changing what every other request costs or tokenizes to: a request whose client
+strings (messages, names, call ids and arguments, the tools' names, descriptions and schemas) hold
+no special token's text, nearly all of them, is tokenized as before. Otherwise each such occurrence
+in the client strings is masked (its first character replaced by one from Unicode's private-use
+plane 16, so the text keeps its length) and the request is rendered a second time: every special
+token left in that render is the template's own, at the same character offsets as in the real
+render. The real prompt is then tokenized in pieces: the template's special tokens as tokens, the
+text between them with special tokens read as text (the tokenizer splits at special tokens anyway,
+so a prompt without client-written ones gets exactly the tokens it always did). The cache keys on
+token ids, so such a prompt can never be served KV computed for the control-token reading.
+
+A template that does not carry client text through unchanged (the masked render, unmasked, is not
+the real render) cannot be told apart: that request is a 400 naming the special token, never a
+prompt with a forged turn. Only special added tokens are kept apart; a tokenizer's plain added
+tokens (not control tokens) are found in any text, as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from adapters.base import ChatMessage, ToolCallIn, ToolSpec
+from gateway.errors import BadRequest
+
+_MASK_BASE = 0x100000  # Supplementary Private Use Area-B: no tokenizer or client text means anything by it
+_MAX_MASK_ROUNDS = 8  # masking can only shorten matches; a string needing more is refused
+
+
+class LiteralSpecials:
+    """The model's special tokens, kept out of client text (see the module doc)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.specials = special_tokens(tokenizer)
+        by_length = sorted(self.specials, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
+        self._pattern = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+        firsts = sorted({token[0] for token in self.specials})
+        self._mask_of = {first: chr(_MASK_BASE + index) for index, first in enumerate(firsts)}
+        self._unmask = str.maketrans({mask: first for first, mask in self._mask_of.items()})
+        # schemas are searched as their JSON text, unless some special token has a character JSON escapes
+        self._json_safe = all(orjson.dumps(token).decode()[1:-1] == token for token in self.specials)
+
+    def found(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> bool:
+        """Whether any client string holds a special token's text (one regex pass over them all)."""
+        if self._pattern is None:
+            return False
+        return self._pattern.search("\0".join(_client_strings(messages, tools, self._json_safe))) is not None
+
+    def masked(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> tuple[list[ChatMessage], list[ToolSpec]]:
+        """`messages` and `tools` with every special token's text masked, lengths unchanged."""
+        return ([_map_message(message, self._mask) for message in messages],
+                [ToolSpec(self._mask(t.name), _map_optional(t.description, self._mask),
+                          _map_json(t.parameters, self._mask) if t.parameters is not None else None) for t in tools])
+
+    def encode(self, text: str, masked_text: str) -> tuple[list[int], list[int]]:
+        """Token ids of the real render `text` and each token's end offset: the special tokens left
+        in `masked_text` (the template's) as tokens, every other character as text."""
+        assert self._pattern is not None
+        if len(masked_text) != len(text) or masked_text.translate(self._unmask) != text:
+            found = self._pattern.search(text)
+            raise BadRequest(f"the messages or tools hold the text of this model's control token "
+                             f"'{found.group() if found else '?'}', and its chat template does not pass client "
+                             "text through unchanged, so it cannot be kept as text; remove it", param="messages")
+        ids: list[int] = []
+        ends: list[int] = []
+        start = 0
+        for match in self._pattern.finditer(masked_text):
+            self._encode_text(text[start:match.start()], start, ids, ends)
+            ids.append(self.specials[match.group()])
+            ends.append(match.end())
+            start = match.end()
+        self._encode_text(text[start:], start, ids, ends)
+        return ids, ends
+
+    def _encode_text(self, piece: str, offset: int, ids: list[int], ends: list[int]) -> None:
+        if not piece:
+            return
+        enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        ids.extend(enc["input_ids"])
+        ends.extend(offset + end for _, end in enc["offset_mapping"])
+
+    def _mask(self, text: str) -> str:
+        assert self._pattern is not None
+        for _ in range(_MAX_MASK_ROUNDS):  # "<<|im_end|>|im_end|>"-like nestings unmask into new matches
+            if self._pattern.search(text) is None:
+                return text
+            text = self._pattern.sub(lambda m: self._mask_of[m.group()[0]] + m.group()[1:], text)
+        raise BadRequest("a message or tool nests this model's control-token texts too deeply to keep them as text",
+                         param="messages")
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special added tokens ({text: id}): the control tokens a template writes."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {token.content: int(token_id) for token_id, token in decoder.items()
+            if getattr(token, "special", False) and token.content}
+
+
+def cut(ends: list[int], prefix_chars: int) -> int:
+    """How many tokens end at or before `prefix_chars` (the tool group's tokens)."""
+    return bisect.bisect_right(ends, prefix_chars) if prefix_chars else 0
+
+
+def _client_strings(messages: list[ChatMessage], tools: list[ToolSpec], json_safe: bool) -> Iterator[str]:
+    for message in messages:
+        yield from (s for s in (message.content, message.name, message.tool_call_id) if s)
+        for call in message.tool_calls:
+            yield from (call.id, call.name, call.arguments)
+    for tool in tools:
+        yield tool.name
+        if tool.description:
+            yield tool.description
+        if tool.parameters is not None and json_safe:  # one C call instead of a walk
+            yield orjson.dumps(tool.parameters).decode()
+        elif tool.parameters is not None:
+            yield from _json_strings(tool.parameters)
+
+
+def _json_strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _json_strings(item)
+
+
+def _map_optional(text: str | None, fn: Callable[[str], str]) -> str | None:
+    return fn(text) if text else text
+
+
+def _map_message(message: ChatMessage, fn: Callable[[str], str]) -> ChatMessage:
+    calls = tuple(ToolCallIn(fn(c.id), fn(c.name), fn(c.arguments)) for c in message.tool_calls)
+    return replace(message, content=_map_optional(message.content, fn), name=_map_optional(message.name, fn),
+                   tool_call_id=_map_optional(message.tool_call_id, fn), tool_calls=calls)
+
+
+def _map_json(value: Any, fn: Callable[[str], str]) -> Any:
+    """Every string of a JSON value (object keys included) through `fn`; depth is bounded at the edge."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {fn(key): _map_json(item, fn) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_json(item, fn) for item in value]
+    return value
