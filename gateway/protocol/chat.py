@@ -15,7 +15,18 @@ import re
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+import orjson
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 from gateway.errors import APIError
@@ -80,10 +91,23 @@ class MessageIn(Lenient):
                            tool_call_id=self.tool_call_id, name=self.name)
 
 
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters: arguments are a JSON object, so a schema that names another type
+    has no valid call (OpenAI answers 400 too); one that names no type is read as an object's."""
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise ValueError(f"a function's parameters must be a JSON Schema of type 'object' (its arguments "
+                         f"are a JSON object), not type {orjson.dumps(kind).decode()[:80]}")
+    return schema
+
+
+ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
+
+
 class FunctionSpecIn(Lenient):
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)  # OpenAI's rule
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 
@@ -200,7 +224,15 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "moderation": lambda v: False,
     "store": lambda v: v is False,
     "service_tier": lambda v: v in ("auto", "default"),
+    "prompt_cache_options": lambda v: implicit_caching(v),
 }
+
+
+def implicit_caching(options: Any) -> bool:
+    """`prompt_cache_options` that ask for what toolkv does anyway (OpenAI's defaults): an implicit
+    cache of every prompt. Explicit breakpoints, or another lifetime, it does not implement."""
+    return isinstance(options, dict) and set(options) <= {"mode", "ttl"} \
+        and options.get("mode", "implicit") == "implicit" and options.get("ttl", "30m") == "30m"
 
 
 class SamplingFields(Lenient):
@@ -210,7 +242,7 @@ class SamplingFields(Lenient):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the likeliest token alone, as OpenAI allows
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's seed is an int64
     stop: str | list[str] | None = None
     stream: bool = False
@@ -220,6 +252,8 @@ class SamplingFields(Lenient):
     # "24h": the tool group stays cached at least a day (not evicted by LRU); "in_memory": plain LRU
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
+    safety_identifier: str | None = Field(None, max_length=64)  # as `user`: for the caller's own records
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # OpenAI keeps it with stored objects: none here
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -247,6 +281,13 @@ class SamplingFields(Lenient):
         if n is not None and n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # as OpenAI answers
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return options
 
     @field_validator("stop")
     @classmethod

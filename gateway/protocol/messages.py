@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from gateway.errors import BadRequest
-from gateway.protocol.chat import MAX_TOKENS_LIMIT, Lenient, UnsupportedField, UnsupportedValue
+from gateway.protocol.chat import MAX_TOKENS_LIMIT, Lenient, ObjectSchema, UnsupportedField, UnsupportedValue
 
 
 class CacheControl(Lenient):
@@ -74,7 +74,7 @@ class MessageIn(Lenient):
 class ToolIn(Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: ObjectSchema
     type: Literal["custom"] | None = None
     strict: bool | None = None  # the grammar holds every call to its schema, strict or not
     cache_control: CacheControl | None = None

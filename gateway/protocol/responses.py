@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
-from gateway.protocol.chat import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Lenient, UnsupportedField, UnsupportedValue
+from gateway.protocol.chat import (
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    Lenient,
+    ObjectSchema,
+    UnsupportedField,
+    UnsupportedValue,
+    implicit_caching,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
 
@@ -62,7 +70,7 @@ class FunctionTool(Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 
@@ -141,6 +149,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "image": lambda v: False,
     "access_programs": lambda v: False,
     "background_options": lambda v: False,
+    "prompt_cache_options": implicit_caching,
 }
 # Tool fields that would change how a function tool is offered or called.
 UNSUPPORTED_TOOL_FIELDS: dict[str, Any] = {
@@ -164,7 +173,7 @@ class ResponsesRequest(Lenient):
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_tool_calls: int | None = Field(None, ge=1)  # a bound on hosted-tool calls: there are none
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     previous_response_id: str | None = None
@@ -174,6 +183,13 @@ class ResponsesRequest(Lenient):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # as chat's: carried into its request
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # as OpenAI answers
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return options
 
     @model_validator(mode="before")
     @classmethod

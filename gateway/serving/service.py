@@ -122,6 +122,7 @@ class ChatService:
             forced_ids = self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
             ids += forced_ids
         params = self.sampling(req, len(ids), max_tokens=req.max_completion_tokens or req.max_tokens,
+                               max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                default_max_tokens=self.default_max_tokens, prompt_param="messages",
                                logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
         single_call = req.parallel_tool_calls is False
@@ -220,9 +221,10 @@ class ChatService:
         return self.prompt_tokens.encode(text, prefix_chars)
 
     def sampling(self, req: SamplingFields, prompt_len: int, *, max_tokens: int | None, default_max_tokens: int,
-                 prompt_param: str, logprobs: bool, top_logprobs: int) -> SamplingParams:
+                 prompt_param: str, logprobs: bool, top_logprobs: int,
+                 max_tokens_param: str = "max_tokens") -> SamplingParams:
         """A chat or completions request's sampling; `max_tokens` is what it asked for (None: the
-        default, cut to the room the context leaves)."""
+        default, cut to the room the context leaves), in the field `max_tokens_param`."""
         room = self.context_len - prompt_len
         if room < 1:
             raise ContextLengthExceeded(
@@ -230,8 +232,8 @@ class ChatService:
                 param=prompt_param)
         if max_tokens is not None and max_tokens > room:
             raise ContextLengthExceeded(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                f"{self.context_len} tokens", param="max_tokens")
+                f"prompt ({prompt_len} tokens) + '{max_tokens_param}' ({max_tokens}) exceeds the context of "
+                f"{self.context_len} tokens", param=max_tokens_param)
         return SamplingParams(max_tokens=min(max_tokens or default_max_tokens, room),
                               temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop_sequences,

@@ -141,6 +141,12 @@ def test_message_forms_are_accepted(client):
                                           seed=1, top_p=0.5, user="u1", prompt_cache_key="k",
                                           extra_body={"some_vendor_field": True})
     assert resp.choices[0].finish_reason in ("stop", "length")
+    # OpenAI's bounds and its no-op values: top_p 0 (the likeliest token), the caller's own ids and tags
+    greedy = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=3, top_p=0,
+                                            safety_identifier="user-7", metadata={"team": "a"},
+                                            extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}})
+    assert greedy.choices[0].message.content == client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=3, temperature=0).choices[0].message.content
 
 
 def test_models_lists_the_served_model(client):
@@ -161,6 +167,14 @@ def test_models_lists_the_served_model(client):
       "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400, "tool_choice", None),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools[0].function", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "a", "parameters": {"type": "string"}}}]}, 400, "tools[0].function.parameters", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400,
+     "stream_options", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_cache_options": {"mode": "explicit"}}, 400,
+     "prompt_cache_options", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, 400, "max_completion_tokens",
+     "context_length_exceeded"),
 ])
 def test_bad_requests_get_openai_error_envelopes(live, body, status, param, code):
     resp = httpx.post(live.api_url + "/chat/completions", json=body, timeout=30)
