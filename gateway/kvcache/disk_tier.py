@@ -203,7 +203,7 @@ class DiskTier:
         """(entry files, bytes) in the kv dir, whichever model wrote them, temp files' bytes
         included: the budget covers them all."""
         stats = self._scan()
-        return len(stats), sum(s.num_bytes for s in stats) + self._temp_bytes()
+        return len(stats), sum(s.num_bytes for s in stats) + self._temp_bytes() + self._quarantine_bytes()
 
     def evict_over_budget(self, keep: str = "") -> list[str]:
         """Remove least recently used files until the dir (temp files included) fits the
@@ -212,6 +212,10 @@ class DiskTier:
         self.pins.refresh()
         stats = self._scan()
         total = sum(s.num_bytes for s in stats) + self._temp_bytes()
+        # quarantined files are kept for inspection only: they give way first, the newest kept longest
+        for path, num_bytes in reversed(self._quarantined()):
+            if total + num_bytes <= self.budget_bytes or not delete(path):
+                total += num_bytes
         evicted: list[str] = []
         now = time.time()
         levels = {s.digest: self.pins.level(s.digest, now) for s in stats}
@@ -352,6 +356,23 @@ class DiskTier:
             return False
         self._trim_quarantine()
         return True
+
+    def _quarantined(self) -> list[tuple[Path, int]]:
+        """Quarantined files and their bytes, oldest first (the newest are kept longest)."""
+        try:
+            moved = sorted(self.quarantine_dir.iterdir(), key=quarantined_at)
+        except OSError:
+            return []
+        found = []
+        for path in moved:
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if S_ISREG(st.st_mode):
+                    found.append((path, st.st_size))
+        return found
+
+    def _quarantine_bytes(self) -> int:
+        return sum(num_bytes for _, num_bytes in self._quarantined())
 
     def _trim_quarantine(self) -> None:
         """Keep the newest few quarantined files: enough to inspect, never a growing pile."""

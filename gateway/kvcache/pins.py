@@ -9,7 +9,11 @@ entry files (whose signed headers are written once) in one small JSON file besid
 Each change is a read-merge-write of that file under an exclusive lock on `pins.lock` (a change
 made by another process meanwhile is kept), written to a temp file and renamed. The file is read
 as an entry file is, through a no-follow, non-blocking fd on a regular file; one that cannot be
-read or parsed counts as empty (with a warning), never as a failed start. A retention deadline is
+read or parsed never wipes the pins this process knows: they are kept (with a warning), and the
+next change writes them over it; never a failed start. The file holds at most `_MAX_RECORDS`
+(retentions that end first give way; pins are bounded by `pinned_budget_bytes`), so a full file
+is always under the size a reader takes. Another process's pin change is seen within a second
+(a stat, on the next look at a level, never waiting on a write in progress). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
 waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory.
 """
@@ -42,7 +46,9 @@ PINS_FILE = "pins.json"
 _LOCK_FILE = "pins.lock"
 _VERSION = 1
 _MAX_FILE_BYTES = 8 << 20
-_MAX_RECORDS = 100_000
+_MAX_RECORD_BYTES = 160  # `"<digest>":{"pinned":false,"bytes":<20 digits>,"retain_until":<14>},` and slack
+_MAX_RECORDS = _MAX_FILE_BYTES // _MAX_RECORD_BYTES  # 52,428: a full file is still read whole
+_REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look here
 _RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -85,12 +91,14 @@ class Pins:
         self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
         self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
         self._flush_pending = False
+        self._refreshed_at = time.monotonic()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkv-pins")
         self.refresh()
 
     # ---- reading -------------------------------------------------------------------------------
 
     def level(self, digest: str, now: float | None = None) -> Level:
+        self._refresh_soon()
         with self._lock:
             hold = self._holds.get(digest)
         if hold is None:
@@ -109,6 +117,7 @@ class Pins:
 
     def pinned(self) -> dict[str, int]:
         """Pinned digests and their bytes."""
+        self._refresh_soon()
         with self._lock:
             return {d: h.num_bytes for d, h in self._holds.items() if h.pinned}
 
@@ -191,13 +200,31 @@ class Pins:
         if self.path is None:
             return
         with self._io_lock:
-            seen = _file_id(self.path)
-            if seen == self._seen:
-                return
-            on_file = self._read()
+            self._refresh_held()
+
+    def _refresh_held(self) -> None:
+        """`refresh`, with `_io_lock` held."""
+        assert self.path is not None
+        seen = _file_id(self.path)
+        if seen == self._seen:
+            return
+        on_file = self._read()
+        if on_file is not None:
             with self._lock:
                 self._holds = self._merged(on_file)
-            self._seen = seen
+        self._seen = seen
+
+    def _refresh_soon(self) -> None:
+        """`refresh`, at most once a `_REFRESH_EVERY_S`, and never waiting for a write in progress
+        (eviction asks for levels: it must not wait for the disk)."""
+        if self.path is None or time.monotonic() - self._refreshed_at < _REFRESH_EVERY_S:
+            return
+        if self._io_lock.acquire(blocking=False):
+            try:
+                self._refreshed_at = time.monotonic()
+                self._refresh_held()
+            finally:
+                self._io_lock.release()
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)
@@ -221,6 +248,8 @@ class Pins:
             try:
                 with _locked(self.path.parent / _LOCK_FILE):
                     on_file = self._read()
+                    if on_file is None:
+                        on_file = self._known()
                     with self._lock:
                         holds = self._merged(on_file)
                     change(holds)
@@ -248,24 +277,30 @@ class Pins:
                 target.retain_until = max(target.retain_until, hold.retain_until)
         return on_file
 
-    def _read(self) -> dict[str, Hold]:
+    def _read(self) -> dict[str, Hold] | None:
+        """The file's records ({} when there is none); None when it cannot be read or parsed."""
         assert self.path is not None
         try:
             fd, st = open_regular(self.path)
         except FileNotFoundError:
             return {}
         except (OSError, CacheFault) as exc:
-            log.warning("cannot read %s (%s); no pins taken from it", self.path.name, exc)
-            return {}
+            log.warning("cannot read %s (%s); keeping the pins known here", self.path.name, exc)
+            return None
         try:
             if st.st_size > _MAX_FILE_BYTES:
                 raise ValueError(f"{st.st_size} bytes; the limit is {_MAX_FILE_BYTES}")
             return _parse(json.loads(_read_fd(fd, st.st_size)))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("%s is not a valid pin file (%s); no pins taken from it", self.path.name, exc)
-            return {}
+            log.warning("%s is not a valid pin file (%s); keeping the pins known here", self.path.name, exc)
+            return None
         finally:
             os.close(fd)
+
+    def _known(self) -> dict[str, Hold]:
+        """A copy of this process's holds: what stands in for a file that cannot be read."""
+        with self._lock:
+            return {digest: Hold(h.pinned, h.num_bytes, h.retain_until) for digest, h in self._holds.items()}
 
     def _write(self, holds: dict[str, Hold]) -> None:
         assert self.path is not None

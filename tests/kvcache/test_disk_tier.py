@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gateway.kvcache.disk_format import FORMAT_VERSION, CacheFault, encode
+from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import PrefixKey
 from tests.kvcache.entries import IDENTITY, OTHER_MODEL, bitwise_equal, disk, make_entry
 
@@ -200,3 +201,26 @@ def test_a_pool_views_host_copy_is_its_values_copied_a_contiguous_head_at_a_time
     copies = host_copies([view, pool[2]])
     assert [c.device.type for c in copies] == ["cpu", "cpu"] and all(c.is_contiguous() for c in copies)
     assert torch.equal(copies[0], view.cpu()) and torch.equal(copies[1], pool[2].cpu())
+
+
+def test_quarantined_files_count_against_the_budget_and_give_way_first(tmp_path: Path) -> None:
+    """Bad files moved aside for inspection used to sit outside the budget: a dir damaged again
+    and again grew by up to 32 entries past `disk_budget_bytes`."""
+    entries = [make_entry(list(range(i * 100, i * 100 + 40)), seed=i) for i in range(4)]
+    probe = disk(tmp_path / "probe")
+    probe.save(entries[0])
+    file_bytes = probe.usage()[1]
+    tier = DiskTier(tmp_path / "cache", int(2.5 * file_bytes), probe.identity)
+    for entry in entries[:2]:
+        tier.save(entry)
+    for entry in entries[:2]:  # both damaged, then looked up: moved aside
+        path = tier.path_for(entry.key.digest)
+        path.write_bytes(path.read_bytes()[:-8])
+        with pytest.raises(CacheFault):
+            tier.load(entry.key)
+    moved = [p.stat().st_size for p in (tmp_path / "cache" / "quarantine").iterdir()]
+    assert len(moved) == 2 and tier.usage() == (0, sum(moved))
+    for entry in entries[2:]:
+        tier.save(entry)
+    assert {r.digest for r in tier.records()} == {e.key.digest for e in entries[2:]}
+    assert len(_quarantined(tmp_path / "cache")) == 0 and tier.usage()[1] <= tier.budget_bytes

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from gateway.kvcache.disk_tier import DiskTier
+from gateway.kvcache import pins as pins_module
 from gateway.kvcache.pins import PINS_FILE, Level, PinBudgetExceeded, Pins
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
@@ -85,6 +86,45 @@ def test_pins_and_retention_live_in_a_file_beside_the_entries(tmp_path: Path) ->
 
     (tmp_path / PINS_FILE).write_text("{not json")
     assert Pins(tmp_path).pinned() == {}  # a damaged file pins nothing; it stops nothing either
+
+
+def test_a_pin_file_that_cannot_be_read_never_wipes_the_pins_known_here(tmp_path: Path) -> None:
+    """A damaged or oversized pins.json used to read as empty, replace this process's pins, and be
+    written back empty by the next change: every process on the dir lost its pins."""
+    pins = Pins(tmp_path)
+    pinned = "a" * 64
+    pins.pin(pinned, 100, budget=1 << 30)
+    (tmp_path / PINS_FILE).write_text("{not json")
+    pins.refresh()
+    assert pins.level(pinned) is Level.PINNED
+    pins.pin("b" * 64, 100, budget=1 << 30)  # the next change writes the known pins over the damage
+    assert Pins(tmp_path).pinned() == {pinned: 100, "b" * 64: 100}
+
+
+def test_a_pin_file_at_its_record_bound_is_still_read_whole(tmp_path: Path) -> None:
+    """Retentions past the bound give way (those that end first); the file stays under the size a
+    reader takes, so its pins are never lost to size."""
+    pins = Pins(tmp_path)
+    pinned = "f" * 64
+    pins.pin(pinned, 10**15, budget=10**16)
+    for n in range(pins_module._MAX_RECORDS + 500):
+        pins.retain(f"{n:064x}", 3600.0 + n)
+    pins.close()
+    pins.unpin("e" * 64)  # a change: the whole set is written now
+    assert (tmp_path / PINS_FILE).stat().st_size <= pins_module._MAX_FILE_BYTES
+    again = Pins(tmp_path)
+    assert again.pinned() == {pinned: 10**15} and again.level(f"{0:064x}") is Level.NONE
+    assert again.level(f"{pins_module._MAX_RECORDS + 499:064x}") is Level.RETAINED
+
+
+def test_a_pin_made_by_another_process_is_seen_without_a_write_here(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pins_module, "_REFRESH_EVERY_S", 0.0)  # the staleness bound (1 s), for the test
+    here, there = Pins(tmp_path), Pins(tmp_path)
+    digest = "c" * 64
+    assert here.level(digest) is Level.NONE
+    there.pin(digest, 100, budget=1 << 30)
+    assert here.level(digest) is Level.PINNED and here.pinned() == {digest: 100}
 
 
 def test_the_disk_budget_never_evicts_a_pinned_file(tmp_path: Path) -> None:
