@@ -143,7 +143,7 @@ def _install_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         runtime = request.app.state.runtime
         if runtime is not None:
-            runtime.refresh_gauges()
+            await runtime.refresh_gauges_off_loop()
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")

@@ -65,7 +65,7 @@ async def stats(request: Request) -> JSONResponse:
         keyring.admin(request)
     runtime: Runtime | None = app.state.runtime
     if runtime is not None:
-        runtime.refresh_gauges()
+        await runtime.refresh_gauges_off_loop()
     metrics: Metrics = app.state.metrics
     families = list(metrics.registry.collect())
     windows = ttft_windows(app)

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import torch
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
@@ -35,6 +36,7 @@ class Runtime:
     service: ChatService
     store: PrefixStore
     metrics: Metrics
+    _refreshing: bool = False  # a gauge refresh is running on a worker thread
 
     @property
     def model_name(self) -> str:
@@ -55,6 +57,18 @@ class Runtime:
                 "cuda_graphs_eager": (runner.graphs.num_graphs - runner.graphs.num_captured
                                       if runner.graphs is not None else 0),
                 "decode_overlap": self.engine.overlap}
+
+    async def refresh_gauges_off_loop(self) -> None:
+        """`refresh_gauges` on a worker thread: listing a cache dir of many thousand files takes
+        a good part of a second, and /metrics needs no key. A scrape that comes while one refresh
+        runs serves the values the last one left, so a flood of scrapes holds one thread at most."""
+        if self._refreshing:
+            return
+        self._refreshing = True
+        try:
+            await anyio.to_thread.run_sync(self.refresh_gauges)
+        finally:
+            self._refreshing = False
 
     def refresh_gauges(self) -> None:
         m = self.metrics

@@ -7,10 +7,16 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
+from gateway.kvcache.disk_tier import DiskTier
 from tests.observability.traffic import Exercised, scrape
+from tests.support.server import LiveServer
 
 # vLLM's time_to_first_token_seconds buckets, written out here so a change in gateway/metrics.py fails.
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -177,3 +183,27 @@ def test_promtool_accepts_the_exposition(exercised: Exercised) -> None:
     for line in problems:
         name, _, problem = line.partition(" ")
         assert name.startswith("vllm:") and problem in VLLM_LINT_PROBLEMS, line
+
+
+def test_a_scrape_listing_a_large_cache_dir_never_holds_up_other_requests(
+        start_gateway: Callable[..., LiveServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting the disk tier lists the cache dir (0.45 s for 20,000 files); /metrics needs no key,
+    and that listing ran on the event loop: every stream and /health waited behind each scrape."""
+    server = start_gateway()
+    listing, release = threading.Event(), threading.Event()
+    usage = DiskTier.usage
+
+    def slow_usage(self: DiskTier) -> tuple[int, int]:
+        listing.set()
+        release.wait(60)
+        return usage(self)
+
+    monkeypatch.setattr(DiskTier, "usage", slow_usage)
+    with ThreadPoolExecutor(2) as pool:
+        scrape = pool.submit(httpx.get, server.base_url + "/metrics", timeout=120)
+        assert listing.wait(60)
+        second = httpx.get(server.base_url + "/metrics", timeout=10)  # another scrape: served the values there are
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        release.set()
+        assert (health.status_code, second.status_code, scrape.result().status_code) == (200, 200, 200)
+    assert "toolkv_cache_bytes" in second.text

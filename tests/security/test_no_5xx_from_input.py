@@ -43,7 +43,8 @@ def test_a_schema_with_no_finite_instance_is_a_400_at_request_time_never_a_500(l
     for choice in ("auto", "required", {"type": "function", "function": {"name": "walk"}}):
         error = rejected(post(live, "/chat/completions", dict(HI, tools=[fine, tool(schema)], tool_choice=choice)),
                          "tools[1].function.parameters")
-        assert "no finite value" in error["message"]
+        # parameters are an object's schema: another type is refused as that, before any walk
+        assert ("no finite value" if schema.get("type", "object") == "object" else "type 'object'") in error["message"]
     structured = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     rejected(post(live, "/chat/completions", dict(HI, response_format=structured)),
              "response_format.json_schema.schema")
