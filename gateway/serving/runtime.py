@@ -190,4 +190,7 @@ def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel)
         return None
     disk = DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes, identity, loaded.device)
     disk.sweep_stale_temps()
+    evicted = disk.evict_over_budget()  # a dir left over budget (a lower budget now) shrinks at start
+    if evicted:
+        log.info("the cache dir was over disk_budget_bytes: removed %d least recently used entries", len(evicted))
     return disk

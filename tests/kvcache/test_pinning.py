@@ -320,6 +320,17 @@ def test_a_bad_retention_is_a_400_naming_the_param(tight: httpx.Client, value: A
     assert resp.json()["error"]["param"] == "prompt_cache_retention"
 
 
+def test_a_dir_over_a_lowered_budget_shrinks_at_start(model: str, tmp_path: Path) -> None:
+    """Not only at the next write: a server that only ever hits left the dir over budget for good."""
+    with _server(model, tmp_path) as api:
+        newest = [_warm(api, group)["id"] for group in range(3)][-1]
+    sizes = {path.name.split(".")[0]: path.stat().st_size for path in (tmp_path / "kv").iterdir()}
+    assert len(sizes) == 3
+    with _server(model, tmp_path, disk_budget_bytes=int(1.5 * max(sizes.values()))):
+        left = {path.name.split(".")[0] for path in (tmp_path / "kv").iterdir()}
+    assert left == {newest}
+
+
 def test_pins_survive_a_restart_and_the_disk_budget(model: str, group_bytes: int, tmp_path: Path) -> None:
     overrides = {"ram_budget_bytes": int(3.6 * group_bytes), "pinned_budget_bytes": 2 * group_bytes}
     with _server(model, tmp_path, **overrides) as api:
