@@ -48,14 +48,17 @@ def status_of(finish_reason: str) -> Literal["completed", "incomplete"]:
 
 def output_of(answer: Answer) -> list[dict[str, Any]]:
     """A whole answer as output items: its text (if any, or if there is nothing else), then one
-    `function_call` item per call."""
+    `function_call` item per call. An answer `max_output_tokens` cut short has its last item
+    `incomplete` (a call's arguments cut mid-way are not JSON); the items before it are whole."""
     text, calls = answer.content or "", answer.tool_calls
     entries = text_logprobs(answer.logprobs or [], text, bool(calls))
     items = []
+    last = status_of(answer.finish_reason)
     if text or not calls:
-        items.append(message_item(new_item_id("msg"), text, status_of(answer.finish_reason), entries))
-    for call in calls:
-        items.append(function_call_item(new_item_id("fc"), call.call_id, call.name, call.arguments, "completed"))
+        items.append(message_item(new_item_id("msg"), text, last if not calls else "completed", entries))
+    for index, call in enumerate(calls):
+        status: ItemStatus = last if index == len(calls) - 1 else "completed"
+        items.append(function_call_item(new_item_id("fc"), call.call_id, call.name, call.arguments, status))
     return items
 
 

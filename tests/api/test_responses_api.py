@@ -393,6 +393,21 @@ def test_a_streamed_call_arrives_as_function_call_events(scripted):
     assert [json.loads(c.arguments) for c in final.output] == [ORDER_ARGS, {"order_id": "#W1"}]
 
 
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_after_whole_ones(scripted, scripted_client):
+    """The cut call's arguments are not JSON: it says `incomplete` (it said `completed`), whole or
+    streamed; the call before it is whole and says so."""
+    reply = hermes_calls(("get_order_details", ORDER_ARGS), ("get_order_details", {"order_id": "#W1"}))
+    args = dict(model=MODEL, input=script(reply), tools=[ORDER_TOOL], temperature=0)
+    whole = scripted_client.responses.create(max_output_tokens=200, **args)
+    cut = scripted_client.responses.create(max_output_tokens=whole.usage.output_tokens - 6, **args)
+    assert cut.status == "incomplete" and [c.status for c in cut.output] == ["completed", "incomplete"]
+    assert json.loads(cut.output[0].arguments) == ORDER_ARGS
+    events = stream_events(scripted, {**args, "max_output_tokens": whole.usage.output_tokens - 6})
+    done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["completed", "incomplete"] and events[-1]["type"] == "response.incomplete"
+    assert [item["status"] for item in events[-1]["response"]["output"]] == done
+
+
 def test_the_sdk_stream_helper_gives_the_final_response(scripted_client):
     with scripted_client.responses.stream(model=MODEL, input=script("All done."), temperature=0,
                                           max_output_tokens=50) as stream:

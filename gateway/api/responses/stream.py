@@ -127,7 +127,8 @@ class ResponseEvents:
                 self._part_event("response.content_part.added", text_part(""))]
 
     def _close(self, status: ItemStatus) -> list[dict[str, Any]]:
-        return self._close_text(status) + self._close_call()
+        """Close the open item (at most one is: text and a call close each other) as `status`."""
+        return self._close_text(status) + self._close_call(status)
 
     def _close_text(self, status: ItemStatus) -> list[dict[str, Any]]:
         if self.text is None:
@@ -141,14 +142,14 @@ class ResponseEvents:
         self.text = None
         return events
 
-    def _close_call(self) -> list[dict[str, Any]]:
+    def _close_call(self, status: ItemStatus = "completed") -> list[dict[str, Any]]:
         if self.call is None:
             return []
         call, index = self.call, len(self.output)
         events = [self._event("response.function_call_arguments.done", item_id=call.item_id, output_index=index,
                               arguments=call.arguments),
-                  self._event("response.output_item.done", output_index=index, item=call.item("completed"))]
-        self.output.append(call.item("completed"))
+                  self._event("response.output_item.done", output_index=index, item=call.item(status))]
+        self.output.append(call.item(status))
         self.call = None
         return events
 
