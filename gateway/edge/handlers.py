@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.edge.admission import disconnected
 from gateway.edge.limits import check_json_depth, is_messages_path
 from gateway.errors import APIError, BadRequest, error_envelope
-from gateway.protocol.chat import UnsupportedField
+from gateway.protocol.chat import InvalidValue, UnsupportedField
 from gateway.protocol.messages import error_body as anthropic_error
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ def validation_error(errors: list[Any]) -> BadRequest:
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, UnsupportedField):
         return BadRequest(str(cause), param=cause.field, code="unsupported_parameter")
+    if isinstance(cause, InvalidValue):
+        return BadRequest(str(cause), param=cause.field)
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = param_path(loc)
     return BadRequest(f"invalid value for '{param or 'body'}': {first.get('msg')}", param=param or None)

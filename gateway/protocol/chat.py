@@ -205,6 +205,14 @@ class UnsupportedField(ValueError):
         self.field = field
 
 
+class InvalidValue(ValueError):
+    """A field whose value is wrong in a way its type cannot say (a repeated id): a 400 naming it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class UnsupportedValue(UnsupportedField):
     """A known field holding a value toolkv does not implement (a hosted tool, an image part)."""
 

@@ -242,6 +242,11 @@ def test_structured_output_is_json_valid_for_the_schema(client):
     ({"model": "gpt-9"}, 404, "model", "model_not_found"),
     ({"input": None}, 400, "input", None),
     ({"previous_response_id": "resp_nope"}, 400, "previous_response_id", "previous_response_not_found"),
+    ({"input": [{"id": "msg_1", "role": "user", "content": "a"}, {"id": "msg_1", "role": "user", "content": "b"}]},
+     400, "input[1].id", None),  # its stored items page by id: a repeat looped `input_items` forever
+    ({"tools": [{"type": "function", "name": "a", "parameters": {"type": "integer"}}]}, 400, "tools[0].parameters",
+     None),
+    ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options", None),
 ])
 def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, status, param, code):
     resp = post(live, {"model": MODEL, "input": "hi", **body})
