@@ -24,6 +24,7 @@ from gateway.api.generation import (
     GONE,
     Arrival,
     Release,
+    check_model,
     parse_model,
     prepare_chat,
     serve_generation,
@@ -138,6 +139,13 @@ def _install_routes(app: FastAPI) -> None:
         request.app.state.keyring.tenant(request)
         runtime = current_runtime(request)
         return JSONResponse(chat_output.model_list(runtime.model_name, request.app.state.started_at))
+
+    @app.get("/v1/models/{model_id:path}")  # a path: hub ids hold a slash ("HuggingFaceTB/SmolLM2-...")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        request.app.state.keyring.tenant(request)
+        runtime = current_runtime(request)
+        check_model(runtime, model_id or "?")
+        return JSONResponse(chat_output.model_list(runtime.model_name, request.app.state.started_at)["data"][0])
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

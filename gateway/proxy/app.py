@@ -27,7 +27,7 @@ from gateway.edge.auth import KeyRing, Tenant
 from gateway.edge.browser_guard import install_browser_guard
 from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
 from gateway.edge.limits import BodySizeLimit
-from gateway.errors import BadGateway, BadRequest, NotFound, UpstreamUnavailable
+from gateway.errors import BadGateway, BadRequest, ModelNotFound, NotFound, UpstreamUnavailable
 from gateway.proxy import tenancy, upstream_info
 from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_status
 from gateway.proxy.cache_pins import add_pin_routes
@@ -122,6 +122,15 @@ def _install_routes(app: FastAPI) -> None:
     async def models(request: Request) -> JSONResponse:
         request.app.state.keyring.tenant(request)
         return JSONResponse(await upstream_info.models(request.app.state, upstream_headers(request)))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        request.app.state.keyring.tenant(request)
+        listed = await upstream_info.models(request.app.state, upstream_headers(request))
+        found = next((entry for entry in listed["data"] if entry.get("id") == model_id), None)
+        if found is None:
+            raise ModelNotFound(f"model '{model_id[:200]}' does not exist on any upstream", param="model")
+        return JSONResponse(found)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -151,6 +151,10 @@ def test_message_forms_are_accepted(client):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"  # the SDK's `retrieve` was a 404
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("body, status, param, code", [

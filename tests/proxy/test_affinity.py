@@ -165,6 +165,7 @@ def test_health_lists_the_upstreams_and_models_lists_their_models_once(proxied, 
     assert health.json()["status"] == "ok"
     assert [u["url"] for u in health.json()["upstreams"]] == [u.base_url for u in toolkv_upstreams]
     assert [m.id for m in client_for(proxied).models.list().data] == [MODEL]
+    assert client_for(proxied).models.retrieve(MODEL).id == MODEL
 
 
 def first_event(resp: httpx.Response) -> Iterator[str]:
