@@ -335,6 +335,26 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[FunctionSpecIn] | None = Field(None, min_length=1, max_length=128)
     function_call: Literal["none", "auto"] | NamedFunction | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """Content parts this server reads: text, and an assistant's refusal (read as its text).
+        An image, audio or file part is a 400 naming it, not a type error about strings."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for index, message in enumerate(messages if isinstance(messages, list) else ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for p_index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "refusal" and message.get("role") == "assistant" and isinstance(part.get("refusal"), str):
+                    content[p_index] = {"type": "text", "text": part["refusal"]}
+                elif kind != "text" and isinstance(kind, str):
+                    raise UnsupportedValue(f"messages[{index}].content[{p_index}].type",
+                                           f"content parts of type '{kind[:40]}' are not supported: this server "
+                                           "reads text parts only")
+        return data
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:

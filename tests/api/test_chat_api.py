@@ -135,6 +135,7 @@ def test_message_forms_are_accepted(client):
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_order", "arguments": "{\"id\": 7}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "{\"status\": \"shipped\"}"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot share the address."}]},
         {"role": "user", "content": "Thanks"},
     ]
     resp = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=3, temperature=0,
@@ -162,6 +163,8 @@ def test_models_lists_the_served_model(client):
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
     ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     400, "messages[0].content[0].type", "unsupported_parameter"),  # was: "Input should be a valid string"
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, 400, "messages[1]", None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400, "max_tokens", None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens",
