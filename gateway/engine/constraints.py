@@ -202,7 +202,14 @@ def grammar_bytes(grammar: str) -> int:
 
 
 def _first_line(matcher: Any) -> str:
-    return str(matcher.get_error()).strip().splitlines()[0] if matcher.get_error() else "unknown error"
+    """llguidance's error on one line: a regex error spans several ("regex parse error:", the
+    pattern, a caret line, "error: unclosed group"), and its first alone named neither."""
+    error = str(matcher.get_error() or "").strip()
+    if not error:
+        return "unknown error"
+    lines = [line.strip() for line in error.splitlines() if line.strip() and set(line.strip()) != {"^"}]
+    text = " ".join(lines)
+    return text if len(text) <= 400 else text[:400] + "..."
 
 
 @dataclass(slots=True)

@@ -318,6 +318,8 @@ def messages_param(chat_param: str | None) -> str | None:
         return "tool_choice"
     if chat_param.startswith("tools["):
         return chat_param.replace(".function.parameters", ".input_schema", 1).replace(".function", "", 1)
+    if chat_param.startswith("response_format.json_schema.schema"):  # the schema itself
+        return "output_config.format.schema" + chat_param.removeprefix("response_format.json_schema.schema")
     return CHAT_PARAMS.get(chat_param, chat_param)
 
 

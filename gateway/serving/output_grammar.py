@@ -55,7 +55,10 @@ class OutputGrammar:
                                    max_string=self.max_string_chars, free_tokens=self.free_specials)
             param = "tools"
         elif answer is not None:
-            grammar, param = json_grammar(answer, self.max_string_chars), "response_format"
+            # the schema's own path, as the finite-instance check names it (json_object has no schema)
+            schema_given = req.response_format is not None and req.response_format.type == "json_schema"
+            param = "response_format.json_schema.schema" if schema_given else "response_format"
+            grammar = json_grammar(answer, self.max_string_chars)
         else:
             return None
         try:

@@ -111,14 +111,15 @@ def test_an_answer_schema_past_the_grammar_limits_is_a_400_naming_it_even_mid_st
     """llguidance's parser meets its row limit only once the answer's object opens, after the
     response may have started: a 400 (or, streamed, an error event) naming response_format, not a
     500. Below the limit (600 optional properties failed before), the answer is served."""
-    error = rejected(post(live, "/chat/completions", dict(HI, response_format=_wide_answer(3000))), "response_format")
+    error = rejected(post(live, "/chat/completions", dict(HI, response_format=_wide_answer(3000))),
+                     "response_format.json_schema.schema")
     assert "too large for constrained decoding" in error["message"]
     with httpx.stream("POST", live.api_url + "/chat/completions", timeout=120,
                       json=dict(HI, response_format=_wide_answer(3000), stream=True)) as resp:
         lines = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[-2])["error"]["type"] == "invalid_request_error"
-    assert json.loads(lines[-2])["error"]["param"] == "response_format"
+    assert json.loads(lines[-2])["error"]["param"] == "response_format.json_schema.schema"
     served = post(live, "/chat/completions", dict(HI, response_format=_wide_answer(600)))
     assert served.status_code == 200, served.text
     wide = _wide_answer(3000)["json_schema"]["schema"]
@@ -128,7 +129,16 @@ def test_an_answer_schema_past_the_grammar_limits_is_a_400_naming_it_even_mid_st
                                         "output_config": {"format": {"type": "json_schema", "schema": wide}}})
     assert messages.status_code == 400, messages.text
     assert messages.json()["error"]["type"] == "invalid_request_error"  # Anthropic's envelope
-    assert "'output_config.format' schema is too large" in messages.json()["error"]["message"]
+    assert "'output_config.format.schema' schema is too large" in messages.json()["error"]["message"]
     text_format = {"type": "json_schema", "name": "wide", "schema": wide}
     rejected(post(live, "/responses", {"model": model, "input": "hi", "max_output_tokens": 4, "temperature": 0,
                                        "text": {"format": text_format}}), "text.format")
+
+
+def test_a_bad_regex_in_a_schema_is_a_400_that_says_what_is_wrong(live):
+    """The grammar engine's error spans lines; only its first ("regex parse error:") reached the client."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "a(b"}}, "required": ["code"]}
+    structured = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    error = rejected(post(live, "/chat/completions", dict(HI, response_format=structured)),
+                     "response_format.json_schema.schema")  # as the finite-instance check names it
+    assert "a(b" in error["message"] and "unclosed group" in error["message"]
