@@ -76,6 +76,11 @@ class BrowserGuard:
         needs_json = scope["path"].startswith("/v1/") and _needs_json(scope["method"], headers)
         if needs_json and not is_json_media_type(headers.get(b"content-type", b"")):
             return UnsupportedMediaType("the request body must be JSON: send 'Content-Type: application/json'")
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if needs_json and encoding not in (b"", b"identity"):  # never decoded: it was read as broken text
+            shown = encoding.decode("latin-1")[:40]
+            return UnsupportedMediaType(f"a request body in content-encoding '{shown}' is not supported: send it "
+                                        "uncompressed")
         return None
 
     def host_allowed(self, host: str, scope: Scope) -> bool:

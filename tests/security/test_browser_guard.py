@@ -4,6 +4,7 @@ dashboard, and CDN assets."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -75,6 +76,19 @@ def test_a_body_that_is_not_declared_json_is_refused_before_it_runs(
         resp = httpx.post(live.api_url + path, content=json.dumps(CHAT), headers=headers, timeout=60)
         assert_envelope(resp, 415, "unsupported_media_type")
     assert lookups(live) == before  # nothing reached the model
+
+
+def test_a_compressed_body_is_refused_not_read_as_broken_text(gateway: Callable[..., LiveServer]) -> None:
+    """A gzip body was read as text (a 400 about UTF-8), a plain one labelled gzip was served."""
+    live = gateway()
+    for body in (gzip.compress(json.dumps(CHAT).encode()), json.dumps(CHAT).encode()):
+        resp = httpx.post(live.api_url + "/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert_envelope(resp, 415, "unsupported_media_type")
+        assert "content-encoding 'gzip'" in resp.json()["error"]["message"]
+    plain = httpx.post(live.api_url + "/chat/completions", content=json.dumps(CHAT), timeout=60,
+                       headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
