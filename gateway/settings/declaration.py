@@ -20,11 +20,12 @@ class Settings(BaseSettings):
     """Every setting of the gateway. `Settings(...)` takes only what it is given; `load_settings`
     reads the file and the environment."""
 
+    # allow_inf_nan=False: every duration and size is a finite number ("inf" crashed the server's start)
     model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix=ENV_PREFIX, case_sensitive=False,
-                                      validate_default=False)
+                                      validate_default=False, allow_inf_nan=False)
 
     # serving
-    host: str = Field("127.0.0.1", description="the address to listen on",
+    host: str = Field("127.0.0.1", min_length=1, description="the address to listen on",
                       json_schema_extra=section("serving"))
     port: int = Field(8000, ge=1, le=65535, description="the port to listen on")
     log_json: bool = Field(False, description="log one JSON object per line instead of text")

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache import pins as pins_module
+from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.pins import PINS_FILE, Level, PinBudgetExceeded, Pins
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore

@@ -30,6 +30,16 @@ def test_bad_value_is_named():
         load_settings(environ={"TOOLKV_DTYPE": "float7"})
 
 
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("shutdown_grace_s", "inf", "finite number"),  # the server crashed at start (int(inf))
+    ("header_read_timeout_s", "nan", "finite number"),
+    ("host", "", "at least 1 character"),  # '' bound every interface, past the loopback default
+])
+def test_a_value_no_server_can_run_with_is_named(name, value, says):
+    with pytest.raises(SettingsError, match=f"'{name}'.*{says}"):
+        load_settings(overrides={name: value}, environ={})
+
+
 def test_unknown_env_var_is_a_warning_naming_it(caplog):
     with caplog.at_level(logging.WARNING, logger="gateway.settings"):
         settings = load_settings(environ={"TOOLKV_CACHE_SIZE": "1", "TOOLKV_PORT": "9001"})
