@@ -142,3 +142,18 @@ def test_a_bad_regex_in_a_schema_is_a_400_that_says_what_is_wrong(live):
     error = rejected(post(live, "/chat/completions", dict(HI, response_format=structured)),
                      "response_format.json_schema.schema")  # as the finite-instance check names it
     assert "a(b" in error["message"] and "unclosed group" in error["message"]
+
+
+def test_a_streamed_response_that_fails_on_the_schema_says_so_as_a_whole_one_does_and_is_kept(live):
+    """Streamed, the error event had no code and no param, `response.failed` said `server_error`,
+    and the failed response was not kept (GET: 404)."""
+    model = httpx.get(live.api_url + "/models", timeout=10).json()["data"][0]["id"]
+    text_format = {"type": "json_schema", "name": "wide", "schema": _wide_answer(3000)["json_schema"]["schema"]}
+    body = {"model": model, "input": "hi", "max_output_tokens": 4, "temperature": 0, "text": {"format": text_format}}
+    with httpx.stream("POST", live.api_url + "/responses", json={**body, "stream": True}, timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    error, failed = events[-2], events[-1]
+    assert (error["type"], error["param"], error["code"]) == ("error", "text.format", "invalid_request_error")
+    assert failed["type"] == "response.failed" and failed["response"]["error"]["code"] == "invalid_prompt"
+    kept = httpx.get(live.api_url + "/responses/" + failed["response"]["id"], timeout=10)
+    assert kept.status_code == 200 and kept.json()["status"] == "failed"

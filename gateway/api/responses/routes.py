@@ -33,7 +33,7 @@ from gateway.api.responses.retrieval import listed_items
 from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
-from gateway.errors import APIError, BadRequest, in_terms_of, named_by
+from gateway.errors import APIError, BadRequest, GenerationFailed, in_terms_of, named_by
 from gateway.protocol.answer import AnswerEvent, Ended
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
@@ -169,11 +169,14 @@ async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: R
             for event in events:
                 yield _sse(event)
     except APIError as exc:
-        for event in stream.fail(in_terms_of(exc, responses_param).message, exc.code):
+        events, body = stream.fail(in_terms_of(exc, responses_param))
+        _keep(store, planned, body)  # a failed response is kept, as OpenAI keeps it
+        for event in events:
             yield _sse(event)
     except Exception:  # a bug after the first byte: end the response as failed, count it
         log_stream_bug(metrics, planned.prepared.request_id)
-        for event in stream.fail("internal server error", "server_error"):
+        events, _ = stream.fail(GenerationFailed("internal server error", code="server_error"))
+        for event in events:
             yield _sse(event)
 
 

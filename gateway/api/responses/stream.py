@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.errors import APIError
 from gateway.protocol.answer import CallArguments, CallStarted, Ended, Started, TextWritten
 from gateway.protocol.responses_output import (
     ItemStatus,
@@ -103,10 +104,15 @@ class ResponseEvents:
         events.append(self._event(f"response.{status}", response=body))
         return events, body
 
-    def fail(self, message: str, code: str | None) -> list[dict[str, Any]]:
-        error = self._event("error", code=code, message=message, param=None)
-        body = self.shape.body("failed", self.output, None, error={"code": "server_error", "message": message})
-        return [error, self._event("response.failed", response=body)]
+    def fail(self, error: APIError) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The `error` event and `response.failed` for `error` (already in Responses terms), and
+        the failed response's body. The event carries the error as a whole answer would (its code,
+        else its type, and the field it names); the body's code is one of OpenAI's response error
+        codes: `invalid_prompt` for what the request asked, `server_error` for the rest."""
+        event = self._event("error", code=error.code or error.error_type, message=error.message, param=error.param)
+        failed_code = "invalid_prompt" if error.status_code < 500 else "server_error"
+        body = self.shape.body("failed", self.output, None, error={"code": failed_code, "message": error.message})
+        return [event, self._event("response.failed", response=body)], body
 
     # ---- items ---------------------------------------------------------------------------
 
