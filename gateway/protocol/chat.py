@@ -151,6 +151,14 @@ class AllowedToolsChoice(Lenient):
         return frozenset(tool.function.name for tool in self.allowed_tools.tools)
 
 
+def bracketed_type(value: Any) -> str | None:
+    """A `type`-told union's tag, bracketed: pydantic puts the tag in an error's location, and
+    `param_path` leaves out bracketed parts, so the error names `text.format.name`, not
+    `text.format.json_schema.name` (a field no client sent)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"[{kind}]" if isinstance(kind, str) else None
+
+
 def _choice_kind(value: Any) -> str:
     if isinstance(value, str):
         return "Mode"

@@ -20,7 +20,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from gateway.errors import BadRequest
-from gateway.protocol.chat import MAX_TOKENS_LIMIT, Lenient, ObjectSchema, UnsupportedField, UnsupportedValue
+from gateway.protocol.chat import (
+    MAX_TOKENS_LIMIT,
+    Lenient,
+    ObjectSchema,
+    UnsupportedField,
+    UnsupportedValue,
+    bracketed_type,
+)
 
 
 class CacheControl(Lenient):
@@ -100,7 +107,10 @@ class NoneChoice(Lenient):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice, Field(discriminator="type")]
+ToolChoice = Annotated[Annotated[AutoChoice, Tag("[auto]")] | Annotated[AnyChoice, Tag("[any]")]
+                       | Annotated[ToolChoiceNamed, Tag("[tool]")] | Annotated[NoneChoice, Tag("[none]")],
+                       Discriminator(bracketed_type, custom_error_type="tool_choice_type",
+                                     custom_error_message="'type' must be 'auto', 'any', 'tool' or 'none'")]
 
 
 class Metadata(Lenient):

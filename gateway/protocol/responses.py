@@ -24,6 +24,7 @@ from gateway.protocol.chat import (
     ObjectSchema,
     UnsupportedField,
     UnsupportedValue,
+    bracketed_type,
     implicit_caching,
 )
 
@@ -121,7 +122,10 @@ class JsonSchema(Lenient):
     strict: bool | None = None
 
 
-TextFormat = Annotated[PlainText | JsonObject | JsonSchema, Field(discriminator="type")]
+TextFormat = Annotated[Annotated[PlainText, Tag("[text]")] | Annotated[JsonObject, Tag("[json_object]")]
+                       | Annotated[JsonSchema, Tag("[json_schema]")],
+                       Discriminator(bracketed_type, custom_error_type="format_type",
+                                     custom_error_message="'type' must be 'text', 'json_object' or 'json_schema'")]
 
 
 class TextConfig(Lenient):

@@ -178,6 +178,7 @@ def test_cache_control_breakpoints_are_accepted(client, merchant_tools):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "count", "input_schema": {"type": "integer"}}]}, "'tools[0].input_schema'"),
+    ({"tools": [ORDER_TOOL], "tool_choice": {"type": "tool"}}, "'tool_choice.name': Field required"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
      "messages[1]: a final assistant message (prefilling"),
 ])

@@ -247,6 +247,7 @@ def test_structured_output_is_json_valid_for_the_schema(client):
     ({"tools": [{"type": "function", "name": "a", "parameters": {"type": "integer"}}]}, 400, "tools[0].parameters",
      None),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options", None),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name", None),  # not .json_schema.
 ])
 def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, status, param, code):
     resp = post(live, {"model": MODEL, "input": "hi", **body})

@@ -13,6 +13,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from gateway.api.responses.retrieval import InputItemsQuery, listed_items, page
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn, stored_bytes
 from gateway.api.responses.stream import ResponseEvents
+from gateway.errors import BadRequest, GenerationFailed
 from gateway.protocol.answer import Answer, CallArguments, CallStarted, Ended, Started, TextWritten, ToolCall, Usage
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.protocol.responses_output import ResponseShape, output_of
@@ -90,11 +91,16 @@ def test_an_empty_answer_is_one_empty_message_as_in_a_whole_response():
 
 def test_a_failure_ends_with_an_error_event_and_response_failed():
     events, stream = run([TextWritten("Hel")])
-    events += stream.fail("the model produced non-finite logits", "generation_failed")
+    failing, body = stream.fail(GenerationFailed("the model produced non-finite logits"))
+    events += failing
     check(events)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert (events[-2]["code"], events[-2]["param"]) == ("generation_failed", None)
     failed = Response.model_validate(events[-1]["response"], strict=True)
-    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert failed.status == "failed" and failed.error.code == "server_error" and body == events[-1]["response"]
+    refused, _ = run([])[1].fail(BadRequest("the schema is too large", param="text.format"))
+    assert (refused[0]["code"], refused[0]["param"]) == ("invalid_request_error", "text.format")
+    assert refused[1]["response"]["error"]["code"] == "invalid_prompt"
 
 
 def test_each_text_delta_carries_its_tokens_logprobs_and_the_done_event_all_of_them():
