@@ -102,6 +102,9 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
 
 
 class FunctionSpecIn(Lenient):
@@ -269,7 +272,7 @@ class SamplingFields(Lenient):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)  # as `user`: for the caller's own records
-    metadata: dict[str, str] | None = Field(None, max_length=16)  # OpenAI keeps it with stored objects: none here
+    metadata: Metadata | None = None  # OpenAI keeps it with stored objects: none here
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None

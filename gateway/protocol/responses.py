@@ -21,6 +21,7 @@ from gateway.protocol.chat import (
     MAX_TOP_LOGPROBS,
     InvalidValue,
     Lenient,
+    Metadata,
     ObjectSchema,
     UnsupportedField,
     UnsupportedValue,
@@ -183,7 +184,7 @@ class ResponsesRequest(Lenient):
     stream_options: StreamOptions | None = None
     previous_response_id: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None

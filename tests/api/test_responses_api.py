@@ -248,6 +248,8 @@ def test_structured_output_is_json_valid_for_the_schema(client):
      None),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options", None),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name", None),  # not .json_schema.
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", None),  # OpenAI's 16 pairs
+    ({"metadata": {"note": "v" * 513}}, 400, "metadata.note", None),
 ])
 def test_bad_requests_get_openai_error_envelopes_naming_the_field(live, body, status, param, code):
     resp = post(live, {"model": MODEL, "input": "hi", **body})
