@@ -191,7 +191,9 @@ class DiskTier:
 
     def records(self) -> list[DiskRecord]:
         """Entries of this tier's model (all when it has no identity), least recently used first.
-        Unreadable headers are skipped here; a lookup quarantines them."""
+        Unreadable headers, truncated files and files named for another entry are skipped here
+        (nothing a lookup would serve is listed, so nothing unusable is pinned); a lookup
+        quarantines them."""
         records = []
         for stat in self._scan():
             record = self._record(stat)
@@ -296,6 +298,8 @@ class DiskTier:
             return None
         finally:
             os.close(fd)
+        if header.digest != stat.digest:  # another entry's file under this name: never served, never listed
+            return None
         return DiskRecord(stat.digest, header.group_id, header.tool_names, len(header.token_ids),
                           stat.num_bytes, header.created_at, stat.mtime_ns / 1e9, header.identity, kv_bytes)
 

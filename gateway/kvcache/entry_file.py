@@ -84,9 +84,17 @@ def read_all(fd: int, num_bytes: int) -> torch.Tensor:
 
 
 def read_metadata(fd: int, num_bytes: int) -> dict[str, str]:
-    """The header metadata only (a listing reads no tensor bytes). Raises ValueError if malformed."""
+    """The header metadata only (a listing reads no tensor bytes). Raises ValueError if malformed,
+    or if the tensors the table lists do not tile the file's data exactly (a truncated file)."""
     header_len = _header_len(os.pread(fd, 8, 0), num_bytes)
     table = _table(os.pread(fd, header_len, 8), header_len)
+    position = 0
+    for begin, stop, name, _, _ in sorted(_spans(table)):
+        if begin != position:
+            raise ValueError(f"tensor {name} does not start where the previous one ends")
+        position = stop
+    if position != num_bytes - 8 - header_len:
+        raise ValueError(f"the table lists {position} bytes of tensors; the file holds {num_bytes - 8 - header_len}")
     return _metadata(table)
 
 

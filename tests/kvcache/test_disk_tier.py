@@ -224,3 +224,19 @@ def test_quarantined_files_count_against_the_budget_and_give_way_first(tmp_path:
         tier.save(entry)
     assert {r.digest for r in tier.records()} == {e.key.digest for e in entries[2:]}
     assert len(_quarantined(tmp_path / "cache")) == 0 and tier.usage()[1] <= tier.budget_bytes
+
+
+def test_a_listing_shows_only_files_a_lookup_would_serve(tmp_path: Path) -> None:
+    """A truncated file and a file copied under another entry's name were listed (pinnable, counted
+    against the pinned budget) though a lookup quarantines them."""
+    tier = disk(tmp_path)
+    whole, cut, copied = (make_entry(list(range(i * 100, i * 100 + 40)), seed=i) for i in range(3))
+    for entry in (whole, cut):
+        tier.save(entry)
+    data = tier.path_for(cut.key.digest).read_bytes()
+    tier.path_for(cut.key.digest).write_bytes(data[:-100])
+    tier.path_for(copied.key.digest).write_bytes(tier.path_for(whole.key.digest).read_bytes())
+    assert [r.digest for r in tier.records()] == [whole.key.digest]
+    for entry in (cut, copied):
+        with pytest.raises(CacheFault):
+            tier.load(entry.key)
