@@ -128,6 +128,18 @@ def test_a_continuation_whose_chain_alone_exceeds_the_budget_is_refused_before_a
     assert store.tenant_bytes(SALT_B) == before
 
 
+def test_a_response_the_store_cannot_take_says_store_false(keyed):
+    """Its input passes the check made before any work, but with its answer the response is over the
+    key's budget: it said `"store": true`, then GET was a 404 and continuing it a 400."""
+    store: ResponseStore = keyed.app.state.responses
+    before = store.tenant_bytes(SALT_B)
+    body = respond(keyed, KEY_B, input=filler(STORE_BUDGET * 48 // 100, "near the budget"))  # twice kept: turn, item
+    assert store.get(SALT_B, body["id"]) is None and store.tenant_bytes(SALT_B) == before
+    assert body["store"] is False
+    kept = respond(keyed, KEY_B, input="small")
+    assert kept["store"] is True and store.get(SALT_B, kept["id"]) is not None
+
+
 # ---- the grammar cache -----------------------------------------------------------------------
 
 

@@ -181,10 +181,14 @@ async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: R
 
 
 def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:
+    """Store the finished `body` (before the client sees it end); one the store cannot take (its
+    answer made the conversation larger than a key's budget) says `"store": false`, so the client
+    is never told that a response it cannot continue or read back was kept."""
     if planned.req.store is False:
         return
     turn = Turn(planned.shape.response_id, (*planned.turn, assistant_turn(body["output"])), planned.parent)
-    store.put(planned.tenant, StoredResponse(turn, body, planned.items))
+    if not store.put(planned.tenant, StoredResponse(turn, body, planned.items)):
+        body["store"] = False
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:
