@@ -247,6 +247,14 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
+def options_need_a_stream(options: Any, info: ValidationInfo) -> Any:
+    """`stream_options` only with `stream: true` (as OpenAI answers); a `stream_options` validator
+    of chat, completions and Responses (declared after `stream`)."""
+    if options is not None and not info.data.get("stream"):
+        raise ValueError("'stream_options' is only allowed when 'stream' is true")
+    return options
+
+
 def implicit_caching(options: Any) -> bool:
     """`prompt_cache_options` that ask for what toolkv does anyway (OpenAI's defaults): an implicit
     cache of every prompt. Explicit breakpoints, or another lifetime, it does not implement."""
@@ -301,12 +309,7 @@ class SamplingFields(Lenient):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("stream_options")
-    @classmethod
-    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if options is not None and not info.data.get("stream"):  # as OpenAI answers
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
-        return options
+    _options_need_a_stream = field_validator("stream_options")(options_need_a_stream)
 
     @field_validator("stop")
     @classmethod

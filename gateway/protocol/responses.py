@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
 from gateway.protocol.chat import (
@@ -27,6 +27,7 @@ from gateway.protocol.chat import (
     UnsupportedValue,
     bracketed_type,
     implicit_caching,
+    options_need_a_stream,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
@@ -190,12 +191,7 @@ class ResponsesRequest(Lenient):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # as chat's: carried into its request
 
-    @field_validator("stream_options")
-    @classmethod
-    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if options is not None and not info.data.get("stream"):  # as OpenAI answers
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
-        return options
+    _options_need_a_stream = field_validator("stream_options")(options_need_a_stream)
 
     @model_validator(mode="before")
     @classmethod
