@@ -139,6 +139,15 @@ class ShuttingDown(APIError):
     default_code = "shutting_down"
 
 
+class CacheFilesLeft(APIError):
+    """A cache removal the disk refused (a read-only cache dir, an immutable file): what is in RAM
+    went, the files stay and would be read again."""
+
+    status_code = 500
+    error_type = "server_error"
+    default_code = "cache_files_not_removed"
+
+
 class GenerationFailed(APIError):
     status_code = 500
     error_type = "server_error"

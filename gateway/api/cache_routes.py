@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.edge.limits import check_json_depth
 from gateway.engine import QueueFull
-from gateway.errors import BadRequest, Overloaded
+from gateway.errors import BadRequest, CacheFilesLeft, Overloaded
 from gateway.serving.cache_admin import WarmRequest, entry_dict, pin_entry, plan_warm, warm_plan
 from gateway.serving.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
@@ -81,8 +81,17 @@ async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
     if not await asyncio.to_thread(runtime.store.remove, digest):
+        if await asyncio.to_thread(runtime.store.files_left, {digest}):
+            raise _files_left(1)
         raise unknown_entry(digest)
+    if await asyncio.to_thread(runtime.store.files_left, {digest}):
+        raise _files_left(1)
     return JSONResponse({"id": digest, "object": "toolkv.cache_entry.deleted", "deleted": True})
+
+
+def _files_left(count: int) -> CacheFilesLeft:
+    return CacheFilesLeft(f"{count} cache file(s) could not be removed (a read-only cache dir? see the log): "
+                          "what was in RAM is gone, the file(s) stay and would be read again")
 
 
 @router.post("/v1/cache/{entry_id}/pin")
@@ -111,8 +120,11 @@ async def unpin(entry_id: str, request: Request) -> JSONResponse:
 @router.delete("/v1/cache")
 async def clear(request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
+    doomed = await asyncio.to_thread(runtime.store.disk_digests)
     count = await asyncio.to_thread(runtime.store.clear)
     await asyncio.wrap_future(runtime.engine.forget_conversations())
+    if left := await asyncio.to_thread(runtime.store.files_left, doomed):
+        raise _files_left(left)
     return JSONResponse({"object": "toolkv.cache.cleared", "deleted": count})
 
 

@@ -204,6 +204,17 @@ class PrefixStore:
         self.pins.forget([digest])
         return in_ram or on_disk
 
+    def disk_digests(self) -> set[str]:
+        """The entries of this model on disk (what `clear` removes there)."""
+        return {record.digest for record in self.disk.records()} if self.disk is not None else set()
+
+    def files_left(self, digests: set[str]) -> int:
+        """How many of `digests`' entry files are still on disk: a removal the disk refused (a
+        read-only cache dir, an immutable file) leaves them."""
+        if self.disk is None:
+            return 0
+        return sum(os.path.lexists(self.disk.path_for(digest)) for digest in digests)
+
     def clear(self) -> int:
         """Drop every entry not in use, pinned ones too, and their pins; returns how many
         distinct entries went."""

@@ -102,6 +102,23 @@ def test_deleting_an_entry_makes_the_next_request_recompute(api: httpx.Client) -
     assert warmed["prefix_tokens"] < _cached_tokens(again) < again["usage"]["prompt_tokens"]
 
 
+def test_a_removal_the_disk_refuses_is_an_error_not_a_deletion(api: httpx.Client, live: LiveServer) -> None:
+    """On a read-only cache dir, DELETE said `deleted: true` while the file stayed, to be read again
+    at the next start. Here the entry's name holds a directory, which no unlink removes."""
+    warmed = _warm(api, tools=TOOLS, system=SYSTEM)
+    path = live.app.state.settings.resolved_cache_dir / "kv" / f"{warmed['id']}.safetensors"
+    path.unlink()
+    path.mkdir()
+    try:
+        refused = api.delete(f"/cache/{warmed['id']}")
+        assert refused.status_code == 500, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "cache_files_not_removed" and "could not be removed" in error["message"]
+    finally:
+        path.rmdir()
+    assert api.delete(f"/cache/{warmed['id']}").status_code == 404  # gone from RAM already
+
+
 def test_clear_empties_every_tier(api: httpx.Client) -> None:
     _warm(api, tools=TOOLS, system=SYSTEM)
     _warm(api, tools=TOOLS[:1], system=SYSTEM)
