@@ -215,11 +215,6 @@ class ChatService:
         ids, ends = self.literal_specials.encode(rendered.text, masked.text)
         return ids, cut(ends, rendered.prefix_chars), _nothing
 
-    def tokenize(self, text: str, prefix_chars: int) -> tuple[list[int], int]:
-        """A rendered prompt's tokens (as one text; see gateway.serving.prompt_tokens) and how many are the
-        tool group, in the shared namespace (what warming fills)."""
-        return self.prompt_tokens.encode(text, prefix_chars)
-
     def sampling(self, req: SamplingFields, prompt_len: int, *, max_tokens: int | None, default_max_tokens: int,
                  prompt_param: str, logprobs: bool, top_logprobs: int,
                  max_tokens_param: str = "max_tokens") -> SamplingParams:
