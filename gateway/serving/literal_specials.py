@@ -12,10 +12,12 @@ no special token's text, nearly all of them, is tokenized as before. Otherwise e
 in the client strings is masked (its first character replaced by one from Unicode's private-use
 plane 16, so the text keeps its length) and the request is rendered a second time: every special
 token left in that render is the template's own, at the same character offsets as in the real
-render. The real prompt is then tokenized in pieces: the template's special tokens as tokens, the
-text between them with special tokens read as text (the tokenizer splits at special tokens anyway,
-so a prompt without client-written ones gets exactly the tokens it always did). The cache keys on
-token ids, so such a prompt can never be served KV computed for the control-token reading.
+render. The real prompt is tokenized whole as always; then each piece between two of the
+template's control tokens that holds client-written control text is tokenized again alone, with
+special tokens read as text, and its tokens replace the whole tokenization's (which a fast
+tokenizer splits at special tokens anyway, so every other piece keeps exactly its tokens). The
+cache keys on token ids, so such a prompt is never served KV computed for the control-token
+reading.
 
 A template that does not carry client text through unchanged (the masked render, unmasked, is not
 the real render) cannot be told apart: that request is a 400 naming the special token, never a
@@ -68,22 +70,36 @@ class LiteralSpecials:
 
     def encode(self, text: str, masked_text: str) -> tuple[list[int], list[int]]:
         """Token ids of the real render `text` and each token's end offset: the special tokens left
-        in `masked_text` (the template's) as tokens, every other character as text."""
+        in `masked_text` (the template's) as tokens, the pieces between them that a client wrote
+        control text into tokenized alone with it as text, the others as in the whole text."""
         assert self._pattern is not None
         if len(masked_text) != len(text) or masked_text.translate(self._unmask) != text:
             found = self._pattern.search(text)
             raise BadRequest(f"the messages or tools hold the text of this model's control token "
                              f"'{found.group() if found else '?'}', and its chat template does not pass client "
                              "text through unchanged, so it cannot be kept as text; remove it", param="messages")
+        whole = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        whole_ids, whole_ends = list(whole["input_ids"]), [end for _, end in whole["offset_mapping"]]
+        masks = [m.start() for m in _MASKED.finditer(masked_text)]  # where a client wrote a control token
         ids: list[int] = []
         ends: list[int] = []
-        start = 0
-        for match in self._pattern.finditer(masked_text):
-            self._encode_text(text[start:match.start()], start, ids, ends)
+        start = at = 0  # the piece's first character; the whole tokenization's first token of it
+        for match in [*self._pattern.finditer(masked_text), None]:
+            stop = match.start() if match is not None else len(text)
+            taken = at
+            while taken < len(whole_ends) and whole_ends[taken] <= stop:
+                taken += 1
+            if _holds(masks, start, stop) or not _aligned(whole_ends, at, taken, stop):
+                self._encode_text(text[start:stop], start, ids, ends)  # the piece alone, control text as text
+            else:  # the tokenizer splits at control tokens anyway: the whole text's tokens of this piece
+                ids += whole_ids[at:taken]
+                ends += whole_ends[at:taken]
+            if match is None:
+                break
             ids.append(self.specials[match.group()])
             ends.append(match.end())
             start = match.end()
-        self._encode_text(text[start:], start, ids, ends)
+            at = taken + 1 if taken < len(whole_ends) and whole_ends[taken] == start else len(whole_ends) + 1
         return ids, ends
 
     def _encode_text(self, piece: str, offset: int, ids: list[int], ends: list[int]) -> None:
@@ -101,6 +117,21 @@ class LiteralSpecials:
             text = self._pattern.sub(lambda m: self._mask_of[m.group()[0]] + m.group()[1:], text)
         raise BadRequest("a message or tool nests this model's control-token texts too deeply to keep them as text",
                          param="messages")
+
+
+_MASKED = re.compile(f"[{chr(_MASK_BASE)}-{chr(0x10FFFD)}]")
+
+
+def _holds(positions: list[int], start: int, stop: int) -> bool:
+    """Whether a sorted `positions` has one in [start, stop)."""
+    index = bisect.bisect_left(positions, start)
+    return index < len(positions) and positions[index] < stop
+
+
+def _aligned(ends: list[int], first: int, last: int, stop: int) -> bool:
+    """Whether the whole text's tokens `first:last` end the piece exactly at `stop` (else a
+    special token that strips spaces moved a boundary: the piece is tokenized alone)."""
+    return first <= last and (first == last or ends[last - 1] == stop) and last <= len(ends)
 
 
 def special_tokens(tokenizer: Any) -> dict[str, int]:
