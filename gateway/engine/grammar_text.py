@@ -22,7 +22,7 @@ output.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from adapters.base import CallSyntax, ToolSpec
@@ -104,10 +104,13 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else ("\\n" if c == "\n" else c) for c in text)
 
 
+Rule = Callable[[dict[str, Any], int], str]  # json_rule, or a memo of it
+
+
 def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, only: str | None = None,
                  parallel: bool = True, answer_schema: dict[str, Any] | None = None,
                  specials: dict[str, int] | None = None, max_string: int = 0,
-                 free_tokens: Sequence[int] = ()) -> str:
+                 free_tokens: Sequence[int] = (), rule: Rule = json_rule) -> str:
     """Lark for a tool-using turn's output (see the module doc); `only` names the one callable
     tool, `answer_schema` replaces free text in `"auto"` mode by a JSON answer."""
     specials = specials or {}
@@ -118,7 +121,7 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
         bodies.append(f"body_{index}")
         lines.append(f"body_{index}: {_lit(json.dumps(tool.name), specials)} {_lit(syntax.name_to_args, specials)} "
                      f"args_{index} {_lit(syntax.call_close, specials)}")
-        lines.append(f"args_{index}: {json_rule(tool.parameters or ANY_OBJECT, max_string)}")
+        lines.append(f"args_{index}: {rule(tool.parameters or ANY_OBJECT, max_string)}")
     lines.append("body: " + " | ".join(bodies))
     more = f"({_lit(syntax.separator + syntax.call_open, specials)} body)*" if parallel and only is None else ""
     close = _lit(syntax.section_close, specials) if syntax.section_close else ""
@@ -128,7 +131,7 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
         return "\n".join(lines) + "\n"
     if answer_schema is not None:  # auto with structured output: the answer or calls
         lines.insert(0, f"start: answer | {_lit(syntax.head, specials)} {tail}")
-        lines.append(f"answer: {json_rule(answer_schema, max_string)}")
+        lines.append(f"answer: {rule(answer_schema, max_string)}")
     elif syntax.leading_only:  # text that does not open with a call, or calls
         lines.insert(0, f"start: PLAIN | {_lit(syntax.head, specials)} {tail}")
         lines.append(r"PLAIN: /(.|\n)*/ & ~/\s*" + _regex_literal(syntax.trigger) + r"(.|\n)*/")
@@ -152,6 +155,6 @@ def tool_grammar(syntax: CallSyntax, tools: Iterable[ToolSpec], *, mode: Mode, o
     return "\n".join(lines) + "\n"
 
 
-def json_grammar(schema: dict[str, Any], max_string: int = 0) -> str:
+def json_grammar(schema: dict[str, Any], max_string: int = 0, rule: Rule = json_rule) -> str:
     """Lark for a structured answer: one JSON value valid for `schema`."""
-    return f"start: answer\nanswer: {json_rule(schema, max_string)}\n"
+    return f"start: answer\nanswer: {rule(schema, max_string)}\n"

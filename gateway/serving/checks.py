@@ -4,6 +4,7 @@ tokenizer tells about the request's limits (the longest token, the call markers)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from adapters.base import ToolSpec
@@ -23,13 +24,14 @@ def check_unique_names(tools: list[Any]) -> None:
         seen.add(tool.name)
 
 
-def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.ResponseFormat | None) -> None:
+def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.ResponseFormat | None,
+                         finite: Callable[[Any], bool] = has_finite_instance) -> None:
     """400 naming the first schema no finite value is valid for (gateway/serving/finite_schemas.py): its
-    grammar would compile, then fail in the middle of the answer."""
+    grammar would compile, then fail in the middle of the answer. `finite` is the check (or a memo of it)."""
     named = [(f"tools[{index}].function.parameters", tool.parameters) for index, tool in enumerate(tools)]
     answer = response_format.answer_schema if response_format is not None else None
     for param, schema in [*named, ("response_format.json_schema.schema", answer)]:
-        if schema is not None and not has_finite_instance(schema):
+        if schema is not None and not finite(schema):
             raise BadRequest(f"{param} has no finite value: no JSON value is valid for it (an unknown type, "
                              "an empty anyOf, `false`), or every one it allows holds another (a $ref that loops "
                              "back with no way out: make the recursion optional, not required, minItems 0, or "

@@ -4,16 +4,19 @@ gateway/engine/constraints.py), and where stop sequences stop applying."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from adapters.base import ChatFamily, ToolSpec
 from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarError, Grammars
-from gateway.engine.grammar_text import Mode, json_grammar, tool_grammar
+from gateway.engine.grammar_text import Mode, Rule, json_grammar, json_rule, tool_grammar
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.checks import forced_name, special_markers
+from gateway.serving.finite_schemas import has_finite_instance
 from gateway.serving.jobs import ForcedCall
+from gateway.serving.schema_memo import SchemaMemo
 
 
 class OutputGrammar:
@@ -26,6 +29,16 @@ class OutputGrammar:
         self.reserve_tokens = reserve_tokens  # a constrained output's last tokens steer to its end
         # special tokens "auto" free text may hold, as without a grammar (not the end of the output)
         self.free_specials = tuple(sorted(info.special_ids - info.eos_ids))
+        self.schemas = SchemaMemo()  # each schema's grammar rule and finite check, per tenant
+
+    def finite(self, tenant: str) -> Callable[[Any], bool]:
+        """`has_finite_instance`, remembered per schema in `tenant`'s namespace."""
+        return lambda schema: self.schemas.get("finite", tenant, schema, lambda: has_finite_instance(schema))
+
+    def rule(self, tenant: str) -> Rule:
+        """`json_rule`, remembered per schema (and string bound) in `tenant`'s namespace."""
+        return lambda schema, max_string: self.schemas.get(f"rule:{max_string}", tenant, schema,
+                                                           lambda: json_rule(schema, max_string))
 
     def forced_call(self, req: ChatCompletionRequest, tools: list[ToolSpec]) -> ForcedCall:
         """`required` forces the opening of some call; a named function (or `required` with one
@@ -52,13 +65,14 @@ class OutputGrammar:
             grammar = tool_grammar(self.family.call_syntax(), callable_tools, mode=mode, only=only,
                                    parallel=req.parallel_tool_calls is not False,
                                    answer_schema=answer, specials=self.call_specials,
-                                   max_string=self.max_string_chars, free_tokens=self.free_specials)
+                                   max_string=self.max_string_chars, free_tokens=self.free_specials,
+                                   rule=self.rule(tenant))
             param = "tools"
         elif answer is not None:
             # the schema's own path, as the finite-instance check names it (json_object has no schema)
             schema_given = req.response_format is not None and req.response_format.type == "json_schema"
             param = "response_format.json_schema.schema" if schema_given else "response_format"
-            grammar = json_grammar(answer, self.max_string_chars)
+            grammar = json_grammar(answer, self.max_string_chars, self.rule(tenant))
         else:
             return None
         try:

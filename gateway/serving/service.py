@@ -131,7 +131,7 @@ class ChatService:
         use_cache = self.cache_enabled and not bypass
         tools_active = bool(tools) and req.tool_choice != "none"
         if params.max_tokens:  # a grammar will hold the output to these schemas
-            check_finite_schemas(tools if tools_active else [], req.response_format)
+            check_finite_schemas(tools if tools_active else [], req.response_format, self.output.finite(tenant))
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
         constraint = None if params.max_tokens == 0 else self.output.constraint(
             req, rendered.group.tools, tools_active, forced_ids, params.max_tokens, tenant)
