@@ -201,14 +201,22 @@ def grammar_bytes(grammar: str) -> int:
     return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(grammar)
 
 
+_LISTING = re.compile(r"\s*\d+ \| ")  # "   2 | answer: %json {...}": llguidance quoting the grammar
+
+
 def _first_line(matcher: Any) -> str:
     """llguidance's error on one line: a regex error spans several ("regex parse error:", the
     pattern, a caret line, "error: unclosed group"), and its first alone named neither."""
     error = str(matcher.get_error() or "").strip()
     if not error:
         return "unknown error"
-    lines = [line.strip() for line in error.splitlines() if line.strip() and set(line.strip()) != {"^"}]
-    text = " ".join(lines)
+    lines = []
+    for line in error.splitlines():
+        if _LISTING.match(line):  # then the grammar, line by line: toolkv's text, not the client's
+            break
+        if line.strip() and set(line.strip()) != {"^"}:
+            lines.append(line.strip())
+    text = " ".join(lines) or error.splitlines()[0]
     return text if len(text) <= 400 else text[:400] + "..."
 
 
