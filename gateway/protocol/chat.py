@@ -11,11 +11,11 @@ a client never gets a 200 that silently ignored what it asked for. Fields outsid
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
-import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -97,7 +97,7 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     kind = schema.get("type", "object")
     if kind != "object":
         raise ValueError(f"a function's parameters must be a JSON Schema of type 'object' (its arguments "
-                         f"are a JSON object), not type {orjson.dumps(kind).decode()[:80]}")
+                         f"are a JSON object), not type {json.dumps(kind)[:80]}")
     return schema
 
 

@@ -234,15 +234,16 @@ def _check_include(include: Any) -> None:
 def _check_input(items: Any) -> None:
     if not isinstance(items, list):
         return
-    ids: set[Any] = set()
+    ids: set[str] = set()
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             continue
         item_id = item.get("id")
-        if isinstance(item_id, str) and item_id in ids:  # as OpenAI: listing the items pages by id
-            raise InvalidValue(f"input[{index}].id", f"input[{index}].id '{item_id[:64]}' repeats an earlier "
-                               "item's id: each input item's id must be unique")
-        ids.add(item_id)
+        if isinstance(item_id, str):  # another type is the model's to refuse
+            if item_id in ids:  # as OpenAI: listing the items pages by id
+                raise InvalidValue(f"input[{index}].id", f"input[{index}].id '{item_id[:64]}' repeats an "
+                                   "earlier item's id: each input item's id must be unique")
+            ids.add(item_id)
         kind = item.get("type", "message")
         if kind not in ("message", "function_call", "function_call_output"):
             raise UnsupportedValue(f"input[{index}].type", f"input items of type '{kind}' are not supported: "

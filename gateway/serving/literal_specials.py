@@ -155,10 +155,20 @@ def _client_strings(messages: list[ChatMessage], tools: list[ToolSpec], json_saf
         yield tool.name
         if tool.description:
             yield tool.description
-        if tool.parameters is not None and json_safe:  # one C call instead of a walk
-            yield orjson.dumps(tool.parameters).decode()
-        elif tool.parameters is not None:
+        if tool.parameters is None:
+            continue
+        text = _json_text(tool.parameters) if json_safe else None  # one C call instead of a walk
+        if text is not None:
+            yield text
+        else:
             yield from _json_strings(tool.parameters)
+
+
+def _json_text(value: Any) -> str | None:
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError):  # an integer past 64 bits, say: walk it instead
+        return None
 
 
 def _json_strings(value: Any) -> Iterator[str]:

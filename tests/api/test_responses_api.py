@@ -244,6 +244,7 @@ def test_structured_output_is_json_valid_for_the_schema(client):
     ({"previous_response_id": "resp_nope"}, 400, "previous_response_id", "previous_response_not_found"),
     ({"input": [{"id": "msg_1", "role": "user", "content": "a"}, {"id": "msg_1", "role": "user", "content": "b"}]},
      400, "input[1].id", None),  # its stored items page by id: a repeat looped `input_items` forever
+    ({"input": [{"id": {"a": 1}, "role": "user", "content": "a"}]}, 400, "input[0].id", None),  # was a 500
     ({"tools": [{"type": "function", "name": "a", "parameters": {"type": "integer"}}]}, 400, "tools[0].parameters",
      None),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options", None),
