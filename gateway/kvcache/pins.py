@@ -13,7 +13,7 @@ read or parsed never wipes the pins this process knows: they are kept (with a wa
 next change writes them over it; never a failed start. The file holds at most `_MAX_RECORDS`
 (retentions that end first give way; pins are bounded by `pinned_budget_bytes`), so a full file
 is always under the size a reader takes. Another process's pin change is seen within a second
-(a stat, on the next look at a level, never waiting on a write in progress). A retention deadline is
+(a stat on the background thread, started by a look at a level; never on the caller's thread). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
 waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory.
 """
@@ -92,6 +92,7 @@ class Pins:
         self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
         self._flush_pending = False
         self._refreshed_at = time.monotonic()
+        self._refresh_pending = False
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkv-pins")
         self.refresh()
 
@@ -200,31 +201,31 @@ class Pins:
         if self.path is None:
             return
         with self._io_lock:
-            self._refresh_held()
-
-    def _refresh_held(self) -> None:
-        """`refresh`, with `_io_lock` held."""
-        assert self.path is not None
-        seen = _file_id(self.path)
-        if seen == self._seen:
-            return
-        on_file = self._read()
-        if on_file is not None:
-            with self._lock:
-                self._holds = self._merged(on_file)
-        self._seen = seen
+            seen = _file_id(self.path)
+            if seen == self._seen:
+                return
+            on_file = self._read()
+            if on_file is not None:
+                with self._lock:
+                    self._holds = self._merged(on_file)
+            self._seen = seen
 
     def _refresh_soon(self) -> None:
-        """`refresh`, at most once a `_REFRESH_EVERY_S`, and never waiting for a write in progress
-        (eviction asks for levels: it must not wait for the disk)."""
-        if self.path is None or time.monotonic() - self._refreshed_at < _REFRESH_EVERY_S:
+        """`refresh` on the background thread, at most once a `_REFRESH_EVERY_S`: eviction (the
+        engine thread) asks for levels, and must never wait for the disk or parse the file."""
+        if self.path is None or self._refresh_pending or time.monotonic() - self._refreshed_at < _REFRESH_EVERY_S:
             return
-        if self._io_lock.acquire(blocking=False):
-            try:
-                self._refreshed_at = time.monotonic()
-                self._refresh_held()
-            finally:
-                self._io_lock.release()
+        self._refreshed_at, self._refresh_pending = time.monotonic(), True
+        try:
+            self._saver.submit(self._refresh_in_background)
+        except RuntimeError:  # shut down
+            self._refresh_pending = False
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self.refresh()
+        finally:
+            self._refresh_pending = False
 
     def close(self) -> None:
         self._saver.shutdown(wait=True)

@@ -39,7 +39,7 @@ from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from gateway.errors import BadRequest
 
 _MASK_BASE = 0x100000  # Supplementary Private Use Area-B: no tokenizer or client text means anything by it
-_MAX_MASK_ROUNDS = 8  # masking can only shorten matches; a string needing more is refused
+_MAX_MASK_ROUNDS = 8  # a control token overlapping a masked one may match once it is masked: mask again
 
 
 class LiteralSpecials:
@@ -111,7 +111,7 @@ class LiteralSpecials:
 
     def _mask(self, text: str) -> str:
         assert self._pattern is not None
-        for _ in range(_MAX_MASK_ROUNDS):  # "<<|im_end|>|im_end|>"-like nestings unmask into new matches
+        for _ in range(_MAX_MASK_ROUNDS):  # each round masks one more character at least
             if self._pattern.search(text) is None:
                 return text
             text = self._pattern.sub(lambda m: self._mask_of[m.group()[0]] + m.group()[1:], text)

@@ -124,6 +124,8 @@ def test_a_pin_made_by_another_process_is_seen_without_a_write_here(tmp_path: Pa
     digest = "c" * 64
     assert here.level(digest) is Level.NONE
     there.pin(digest, 100, budget=1 << 30)
+    here.level(digest)  # a look starts the refresh on the background thread, never on this one
+    here.close()  # waits for it
     assert here.level(digest) is Level.PINNED and here.pinned() == {digest: 100}
 
 
