@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.edge.admission import disconnected
 from gateway.edge.limits import check_json_depth, is_messages_path
 from gateway.errors import APIError, BadRequest, error_envelope
-from gateway.protocol.chat import InvalidValue, UnsupportedField
+from gateway.protocol.fields import InvalidValue, UnsupportedField
 from gateway.protocol.messages import error_body as anthropic_error
 
 log = logging.getLogger(__name__)

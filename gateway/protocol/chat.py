@@ -17,9 +17,6 @@ from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -30,20 +27,22 @@ from pydantic import (
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 from gateway.errors import APIError
+from gateway.protocol.fields import (
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    Lenient,
+    Metadata,
+    ObjectSchema,
+    UnsupportedField,
+    UnsupportedValue,
+    implicit_caching,
+    options_need_a_stream,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_TOKENS_LIMIT = 2**31 - 1
-MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 PROMPT_CACHE_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
 MAX_TOKEN_ID_DIGITS = 20  # no vocabulary is near 10**20 tokens; longer keys would not even parse as an int
-
-
-class Lenient(BaseModel):
-    """Unknown keys are ignored (vendor extras); known keys are typed strictly. The base of every
-    wire model here and in responses.py and messages.py."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(Lenient):
@@ -89,22 +88,6 @@ class MessageIn(Lenient):
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         return ChatMessage(role=role, content=_text_of(self.content), tool_calls=calls,
                            tool_call_id=self.tool_call_id, name=self.name)
-
-
-def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A function's parameters: arguments are a JSON object, so a schema that names another type
-    has no valid call (OpenAI answers 400 too); one that names no type is read as an object's."""
-    kind = schema.get("type", "object")
-    if kind != "object":
-        raise ValueError(f"a function's parameters must be a JSON Schema of type 'object' (its arguments "
-                         f"are a JSON object), not type {json.dumps(kind)[:80]}")
-    return schema
-
-
-ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
-# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                     Field(max_length=16)]
 
 
 class FunctionSpecIn(Lenient):
@@ -154,14 +137,6 @@ class AllowedToolsChoice(Lenient):
         return frozenset(tool.function.name for tool in self.allowed_tools.tools)
 
 
-def bracketed_type(value: Any) -> str | None:
-    """A `type`-told union's tag, bracketed: pydantic puts the tag in an error's location, and
-    `param_path` leaves out bracketed parts, so the error names `text.format.name`, not
-    `text.format.json_schema.name` (a field no client sent)."""
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"[{kind}]" if isinstance(kind, str) else None
-
-
 def _choice_kind(value: Any) -> str:
     if isinstance(value, str):
         return "Mode"
@@ -208,30 +183,6 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class UnsupportedField(ValueError):
-    """An OpenAI request field toolkv does not implement, holding a value that would matter."""
-
-    def __init__(self, field: str) -> None:
-        super().__init__(f"'{field}' is not supported by this server")
-        self.field = field
-
-
-class InvalidValue(ValueError):
-    """A field whose value is wrong in a way its type cannot say (a repeated id): a 400 naming it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class UnsupportedValue(UnsupportedField):
-    """A known field holding a value toolkv does not implement (a hosted tool, an image part)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        ValueError.__init__(self, message)
-        self.field = field
-
-
 # OpenAI fields that are not implemented, each with the values that ask for nothing (accepted).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "audio": lambda v: False,
@@ -243,23 +194,8 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "moderation": lambda v: False,
     "store": lambda v: v is False,
     "service_tier": lambda v: v in ("auto", "default"),
-    "prompt_cache_options": lambda v: implicit_caching(v),
+    "prompt_cache_options": implicit_caching,
 }
-
-
-def options_need_a_stream(options: Any, info: ValidationInfo) -> Any:
-    """`stream_options` only with `stream: true` (as OpenAI answers); a `stream_options` validator
-    of chat, completions and Responses (declared after `stream`)."""
-    if options is not None and not info.data.get("stream"):
-        raise ValueError("'stream_options' is only allowed when 'stream' is true")
-    return options
-
-
-def implicit_caching(options: Any) -> bool:
-    """`prompt_cache_options` that ask for what toolkv does anyway (OpenAI's defaults): an implicit
-    cache of every prompt. Explicit breakpoints, or another lifetime, it does not implement."""
-    return isinstance(options, dict) and set(options) <= {"mode", "ttl"} \
-        and options.get("mode", "implicit") == "implicit" and options.get("ttl", "30m") == "30m"
 
 
 class SamplingFields(Lenient):
@@ -478,8 +414,4 @@ def _text_of(content: str | list[TextPart] | None) -> str | None:
 
 
 def _args_text(arguments: str | dict[str, Any]) -> str:
-    if isinstance(arguments, str):
-        return arguments
-    import json
-
-    return json.dumps(arguments, ensure_ascii=False)
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

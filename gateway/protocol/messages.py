@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from gateway.errors import BadRequest
-from gateway.protocol.chat import (
+from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     Lenient,
     ObjectSchema,

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN
-from gateway.protocol.chat import (
+from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
     InvalidValue,
