@@ -80,12 +80,11 @@ async def get_entry(entry_id: str, request: Request) -> JSONResponse:
 async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    if not await asyncio.to_thread(runtime.store.remove, digest):
-        if await asyncio.to_thread(runtime.store.files_left, {digest}):
-            raise _files_left(1)
-        raise unknown_entry(digest)
+    removed = await asyncio.to_thread(runtime.store.remove, digest)
     if await asyncio.to_thread(runtime.store.files_left, {digest}):
         raise _files_left(1)
+    if not removed:
+        raise unknown_entry(digest)
     return JSONResponse({"id": digest, "object": "toolkv.cache_entry.deleted", "deleted": True})
 
 

@@ -380,9 +380,6 @@ class DiskTier:
 
     def _trim_quarantine(self) -> None:
         """Keep the newest few quarantined files: enough to inspect, never a growing pile."""
-        try:
-            moved = sorted(self.quarantine_dir.iterdir(), key=quarantined_at)
-        except OSError:
-            return
-        for old in moved[: max(0, len(moved) - _MAX_QUARANTINED)]:
+        moved = self._quarantined()
+        for old, _ in moved[: max(0, len(moved) - _MAX_QUARANTINED)]:
             delete(old)
