@@ -110,7 +110,7 @@ class KVCacheManager:
         if cacheable and job.use_cache and not recompute:
             key = self.key_for(prompt[:group_len], job.salt)
             if job.retention_s:  # before the lookup: the group is kept whether found or computed
-                self.store.retain(key.digest, job.retention_s)
+                self.store.retain(key.digest, job.retention_s, job.tenant)  # within the tenant's share
             if key.digest in self.compiling:
                 return HOLD
             found = self._lookup(key, job.salt)

@@ -51,7 +51,7 @@ from gateway.kvcache.entry_file import (
     write_entry,
 )
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
-from gateway.kvcache.pins import Level, Pins
+from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class DiskTier:
     digest); None gives a tier that can list and remove but not load (the CLI without a model)."""
 
     def __init__(self, root: Path, budget_bytes: int, identity: CacheIdentity | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 retained_budget_bytes: int = DEFAULT_RETAINED_BUDGET_BYTES) -> None:
         self.root = root
         self.kv_dir = root / "kv"
         self.quarantine_dir = root / "quarantine"
@@ -101,7 +102,7 @@ class DiskTier:
         self.device = torch.device(device)
         self._clock = Clock()
         self._bad = BadFiles()
-        self.pins = Pins(root)  # pinned and retained entries of every process sharing the dir
+        self.pins = Pins(root, retained_budget_bytes)  # pinned and retained entries of every process on the dir
         # Checks a loaded entry's tensors on all cores (a restart's first request waits for it).
         self._checkers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="toolkv-crc")
 
@@ -143,8 +144,10 @@ class DiskTier:
         self._quarantine(self.path_for(digest), kind)
 
     def save(self, entry: CacheEntry) -> list[str]:
-        """Write `entry` atomically (unless its file exists) and evict LRU files over the budget;
-        returns the evicted digests. Raises CacheFault("write") when the disk refuses."""
+        """Make room for `entry` under the budget, write it atomically (unless its file exists)
+        and evict LRU files still over the budget; returns the evicted digests. Raises
+        CacheFault("write") when the disk refuses: the room was made first, so a full disk still
+        trims to its budget (eviction never depends on a write succeeding)."""
         if self.identity is None:
             raise RuntimeError("a DiskTier without an identity cannot save entries")
         path = self.path_for(entry.key.digest)
@@ -152,13 +155,14 @@ class DiskTier:
             if not self._bad.holds(path):  # touching a known-bad file would make it look new
                 self._touch(path)
             return []
+        self.sweep_stale_temps()  # another process's crash must not shrink the budget for good
+        evicted = self.evict_over_budget(incoming_bytes=entry.num_bytes)
         try:
             self._write_atomically(path, entry, self.identity)
         except OSError as exc:
             raise CacheFault("write", f"cannot write {path.name}: {exc.strerror}") from exc
         self._touch(path)
-        self.sweep_stale_temps()  # another process's crash must not shrink the budget for good
-        return self.evict_over_budget(keep=entry.key.digest)
+        return evicted + self.evict_over_budget(keep=entry.key.digest)  # its header, beyond its KV bytes
 
     def remove(self, digest: str) -> bool:
         """Delete the entry's file, and any pin or retention it had."""
@@ -207,13 +211,16 @@ class DiskTier:
         stats = self._scan()
         return len(stats), sum(s.num_bytes for s in stats) + self._temp_bytes() + self._quarantine_bytes()
 
-    def evict_over_budget(self, keep: str = "") -> list[str]:
-        """Remove least recently used files until the dir (temp files included) fits the
-        budget: unprotected ones first, retained ones only when none is left; never a pinned
-        one, never `keep`."""
+    def evict_over_budget(self, keep: str = "", incoming_bytes: int = 0) -> list[str]:
+        """Remove least recently used files until the dir (temp files included) and
+        `incoming_bytes` fit the budget: unprotected ones first (a retention past its tenant's
+        share protects nothing), retained ones only when none is left; never a pinned one, never
+        `keep`."""
         self.pins.refresh()
         stats = self._scan()
-        total = sum(s.num_bytes for s in stats) + self._temp_bytes()
+        for stat in stats:  # another process's retained entry: its file's size is what it counts
+            self.pins.note_bytes(stat.digest, stat.num_bytes, if_unknown=True)
+        total = sum(s.num_bytes for s in stats) + self._temp_bytes() + incoming_bytes
         # quarantined files are kept for inspection only: they give way first, the newest kept longest
         for path, num_bytes in reversed(self._quarantined()):
             if total + num_bytes <= self.budget_bytes or not delete(path):

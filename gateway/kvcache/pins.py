@@ -4,16 +4,26 @@ pressure (RAM tier, KV pool) nor by the disk budget; a retained one (a request's
 entry files (whose signed headers are written once) in one small JSON file beside them,
 `<cache_dir>/pins.json`, so they survive a restart and every process sharing the dir sees them:
 
-    {"version": 1, "entries": {"<digest>": {"pinned": true, "bytes": 123, "retain_until": 0.0}}}
+    {"version": 1, "entries": {"<digest>": {"pinned": true, "bytes": 123, "retain_until": 0.0,
+                                            "tenant": "<16 hex>"}}}
+
+Pins are an operator's: only the admin key reaches the routes that make them, and they are bounded
+by `pinned_budget_bytes`. Retention is a tenant's: it protects an entry only within its tenant's
+share of `retained_budget_bytes` (`shares.py`); `tenant` is a digest of the tenant's namespace,
+never the salt itself.
 
 Each change is a read-merge-write of that file under an exclusive lock on `pins.lock` (a change
-made by another process meanwhile is kept), written to a temp file and renamed. The file is read
+made by another process meanwhile is kept, a removal included: a process removes what the file
+holds, not only what it knew), written to a temp file and renamed. A pin or unpin the disk
+refuses (a read-only or full dir) changes nothing and raises `PinsNotSaved`: a pin that would not
+survive a restart, or that other processes would not see, is never reported as made. The file is read
 as an entry file is, through a no-follow, non-blocking fd on a regular file; one that cannot be
 read or parsed never wipes the pins this process knows: they are kept (with a warning), and the
 next change writes them over it; never a failed start. The file holds at most `_MAX_RECORDS`
 (retentions that end first give way; pins are bounded by `pinned_budget_bytes`), so a full file
-is always under the size a reader takes. Another process's pin change is seen within a second
-(a stat on the background thread, started by a look at a level; never on the caller's thread). A retention deadline is
+is always under the size a reader takes. Another process's pin change is seen by a listing at
+once (`refresh`: a stat, and a parse when the file changed) and by eviction within a second (a
+stat on the background thread, started by a look at a level; never on the engine's thread). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
 waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory.
 """
@@ -23,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +50,7 @@ from typing import Any
 
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.entry_file import FileId, open_regular
+from gateway.kvcache.shares import Retained, protected
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +58,13 @@ PINS_FILE = "pins.json"
 _LOCK_FILE = "pins.lock"
 _VERSION = 1
 _MAX_FILE_BYTES = 8 << 20
-_MAX_RECORD_BYTES = 160  # `"<digest>":{"pinned":false,"bytes":<20 digits>,"retain_until":<14>},` and slack
-_MAX_RECORDS = _MAX_FILE_BYTES // _MAX_RECORD_BYTES  # 52,428: a full file is still read whole
-_REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look here
+# `"<digest>":{"pinned":false,"bytes":<20 digits>,"retain_until":<14>,"tenant":"<16>"},` and slack
+_MAX_RECORD_BYTES = 192
+_MAX_RECORDS = _MAX_FILE_BYTES // _MAX_RECORD_BYTES  # 43,690: a full file is still read whole
+_MAX_TENANT_CHARS = 64
+_REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look to eviction here
+_RESHARE_EVERY_S = 1.0  # retentions that ended give their share to the rest within this
+DEFAULT_RETAINED_BUDGET_BYTES = 512 * 1024**2
 _RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -65,8 +81,9 @@ class Level(enum.IntEnum):
 @dataclass(slots=True)
 class Hold:
     pinned: bool = False
-    num_bytes: int = 0  # a pinned entry's bytes, counted against the pinned budget
+    num_bytes: int = 0  # the entry's bytes: against the pinned budget, or its tenant's retained share
     retain_until: float = 0.0  # wall-clock seconds; 0: no retention
+    tenant: str = ""  # whose retention (`tenant_label`); "": the shared namespace
 
     def live(self, now: float) -> bool:
         return self.pinned or self.retain_until > now
@@ -79,13 +96,28 @@ class PinBudgetExceeded(Exception):
         self.wanted, self.pinned, self.budget = wanted, pinned, budget
 
 
+class PinsNotSaved(Exception):
+    """The pin file refused a pin or unpin (a read-only or full cache dir): nothing changed."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"the cache dir refused to record the change in {name} ({reason}); nothing changed")
+
+
 Change = Callable[[dict[str, Hold]], None]
 
 
+def tenant_label(namespace: str) -> str:
+    """What the pin file records of a tenant: a digest of its cache namespace, never the salt."""
+    return hashlib.sha256(f"toolkv-retention\0{namespace}".encode()).hexdigest()[:16] if namespace else ""
+
+
 class Pins:
-    def __init__(self, root: Path | None) -> None:
+    def __init__(self, root: Path | None, retained_budget_bytes: int = DEFAULT_RETAINED_BUDGET_BYTES) -> None:
         self.path = root / PINS_FILE if root is not None else None
+        self.retained_budget_bytes = retained_budget_bytes
         self._holds: dict[str, Hold] = {}
+        self._version = 0  # bumped on every change to `_holds`: the protected set is computed again
+        self._protection: tuple[int, float, set[str]] | None = None  # (version, when, protected digests)
         self._saved_until: dict[str, float] = {}  # retention deadlines as last written
         self._seen: FileId | None = None
         self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
@@ -106,7 +138,30 @@ class Pins:
             return Level.NONE
         if hold.pinned:
             return Level.PINNED
-        return Level.RETAINED if hold.retain_until > (time.time() if now is None else now) else Level.NONE
+        now = time.time() if now is None else now
+        if hold.retain_until <= now:
+            return Level.NONE
+        with self._lock:
+            return Level.RETAINED if digest in self._protected(now) else Level.NONE
+
+    def retained(self) -> dict[str, tuple[str, int, bool]]:
+        """Live retentions: digest -> (tenant, bytes, whether its tenant's share protects it)."""
+        now = time.time()
+        with self._lock:
+            kept = self._protected(now)
+            return {d: (h.tenant, h.num_bytes, d in kept) for d, h in self._holds.items()
+                    if not h.pinned and h.retain_until > now}
+
+    def _protected(self, now: float) -> set[str]:
+        """The retained digests within their tenant's share (call with `_lock` held)."""
+        cached = self._protection
+        if cached is not None and cached[0] == self._version and 0 <= now - cached[1] < _RESHARE_EVERY_S:
+            return cached[2]
+        live = [Retained(d, h.tenant, h.retain_until, h.num_bytes) for d, h in self._holds.items()
+                if not h.pinned and h.retain_until > now]
+        kept = protected(live, self.retained_budget_bytes)
+        self._protection = (self._version, now, kept)
+        return kept
 
     def is_pinned(self, digest: str) -> bool:
         return self.level(digest) is Level.PINNED
@@ -129,7 +184,7 @@ class Pins:
 
     def pin(self, digest: str, num_bytes: int, budget: int) -> bool:
         """Pin `digest` (`num_bytes` counted against `budget`); False when it was pinned already.
-        Raises PinBudgetExceeded (nothing changed)."""
+        Raises PinBudgetExceeded, or PinsNotSaved when the disk refuses (nothing changed)."""
         added = False
 
         def change(holds: dict[str, Hold]) -> None:
@@ -142,11 +197,11 @@ class Pins:
             hold = holds.setdefault(digest, Hold())
             hold.pinned, hold.num_bytes, added = True, num_bytes, True
 
-        self._commit(change)
+        self._commit(change, strict=True)
         return added
 
     def unpin(self, digest: str) -> bool:
-        """False when it was not pinned."""
+        """False when it was not pinned. Raises PinsNotSaved when the disk refuses (still pinned)."""
         removed = False
 
         def change(holds: dict[str, Hold]) -> None:
@@ -155,16 +210,19 @@ class Pins:
             if hold is not None and hold.pinned:
                 hold.pinned, hold.num_bytes, removed = False, 0, True
 
-        self._commit(change)
+        self._commit(change, strict=True)
         return removed
 
-    def retain(self, digest: str, seconds: float) -> None:
-        """Keep `digest` at least `seconds` from now. Never blocks on the file: the deadline is
-        written in the background when it moved far enough."""
+    def retain(self, digest: str, seconds: float, tenant: str = "") -> None:
+        """Keep `digest` at least `seconds` from now, within the share of `tenant` (a namespace:
+        recorded as its `tenant_label`). Never blocks on the file: the deadline is written in the
+        background when it moved far enough."""
         until = time.time() + seconds
         with self._lock:
             hold = self._holds.setdefault(digest, Hold())
             hold.retain_until = max(hold.retain_until, until)
+            hold.tenant = tenant_label(tenant)  # the latest request's tenant is charged
+            self._version += 1
             stale = until - self._saved_until.get(digest, 0.0) >= _RETAIN_WRITE_SLACK_S
             if self.path is None or not stale or self._flush_pending:
                 return
@@ -175,14 +233,30 @@ class Pins:
             with self._lock:
                 self._flush_pending = False
 
+    def note_bytes(self, digest: str, num_bytes: int, if_unknown: bool = False) -> None:
+        """The entry's bytes, once known (a retention is often made before its entry is computed):
+        what it counts against its tenant's share. `if_unknown`: only if none were noted (a file's
+        size stands in for another process's entry)."""
+        with self._lock:
+            hold = self._holds.get(digest)
+            if hold is None or hold.pinned or (if_unknown and hold.num_bytes):
+                return
+            if hold.num_bytes != num_bytes:
+                hold.num_bytes = num_bytes
+                self._version += 1
+
     def forget(self, digests: Iterable[str]) -> None:
-        """Drop every hold on `digests` (their entries were removed)."""
+        """Drop every hold on `digests` (their entries were removed), in the file too, whether or
+        not this process knew of them (another process may have pinned one). A file the disk will
+        not rewrite leaves them there (a warning)."""
         doomed = set(digests)
         with self._lock:
-            if not doomed & self._holds.keys():
-                return
-            for digest in doomed:
+            known = doomed & self._holds.keys()
+            for digest in known:
                 self._holds.pop(digest, None)
+            self._version += bool(known)
+        if self.path is None and not known:
+            return
 
         def change(holds: dict[str, Hold]) -> None:
             for digest in doomed:
@@ -193,6 +267,7 @@ class Pins:
     def forget_all(self) -> None:
         with self._lock:
             self._holds.clear()
+            self._version += 1
         self._commit(lambda holds: holds.clear())
 
     def refresh(self) -> None:
@@ -207,7 +282,7 @@ class Pins:
             on_file = self._read()
             if on_file is not None:
                 with self._lock:
-                    self._holds = self._merged(on_file)
+                    self._replace(self._merged(on_file))
             self._seen = seen
 
     def _refresh_soon(self) -> None:
@@ -237,14 +312,17 @@ class Pins:
             self._flush_pending = False
         self._commit(lambda holds: None)
 
-    def _commit(self, change: Change) -> None:
+    def _commit(self, change: Change, strict: bool = False) -> None:
         """Apply `change` to the file's records (and to ours), under the lock file. The file is
-        read and written outside `_lock`: eviction asking for a level never waits for the disk."""
+        read and written outside `_lock`: eviction asking for a level never waits for the disk.
+        When the disk refuses, `strict` raises PinsNotSaved with nothing changed; otherwise the
+        change is kept in memory, for this process only (a warning)."""
         with self._io_lock:
             if self.path is None:
                 with self._lock:
                     change(self._holds)
                     _drop_expired(self._holds)
+                    self._version += 1
                 return
             try:
                 with _locked(self.path.parent / _LOCK_FILE):
@@ -256,16 +334,24 @@ class Pins:
                     change(holds)
                     _drop_expired(holds)
                     self._write(holds)
-            except OSError as exc:  # a read-only or full dir: kept in memory, for this process only
-                log.warning("cannot write %s (%s); pins and retention kept in memory only", self.path.name,
+            except OSError as exc:  # a read-only or full dir
+                if strict:
+                    raise PinsNotSaved(self.path.name, exc.strerror or str(exc)) from None
+                log.warning("cannot write %s (%s); retention kept in memory only", self.path.name,
                             exc.strerror or exc)
                 with self._lock:
                     change(self._holds)
+                    self._version += 1
                 return
             with self._lock:
-                self._holds = self._merged(holds)  # a retention set meanwhile is kept
+                self._replace(self._merged(holds))  # a retention set meanwhile is kept
                 self._saved_until = {d: h.retain_until for d, h in holds.items() if h.retain_until}
             self._seen = _file_id(self.path)
+
+    def _replace(self, holds: dict[str, Hold]) -> None:
+        """Call with `_lock` held."""
+        self._holds = holds
+        self._version += 1
 
     def _merged(self, on_file: dict[str, Hold]) -> dict[str, Hold]:
         """The file's records, with our own retention deadlines where they run longer (the file
@@ -275,7 +361,10 @@ class Pins:
         for digest, hold in self._holds.items():
             if hold.retain_until > now:
                 target = on_file.setdefault(digest, Hold())
-                target.retain_until = max(target.retain_until, hold.retain_until)
+                if hold.retain_until >= target.retain_until:  # the latest retention's tenant is charged
+                    target.retain_until, target.tenant = hold.retain_until, hold.tenant
+                if not target.pinned:
+                    target.num_bytes = target.num_bytes or hold.num_bytes
         return on_file
 
     def _read(self) -> dict[str, Hold] | None:
@@ -301,12 +390,12 @@ class Pins:
     def _known(self) -> dict[str, Hold]:
         """A copy of this process's holds: what stands in for a file that cannot be read."""
         with self._lock:
-            return {digest: Hold(h.pinned, h.num_bytes, h.retain_until) for digest, h in self._holds.items()}
+            return {digest: Hold(h.pinned, h.num_bytes, h.retain_until, h.tenant) for digest, h in self._holds.items()}
 
     def _write(self, holds: dict[str, Hold]) -> None:
         assert self.path is not None
-        records = {d: {"pinned": h.pinned, "bytes": h.num_bytes, "retain_until": round(h.retain_until, 3)}
-                   for d, h in holds.items()}
+        records = {d: {"pinned": h.pinned, "bytes": h.num_bytes, "retain_until": round(h.retain_until, 3),
+                       "tenant": h.tenant} for d, h in holds.items()}
         data = json.dumps({"version": _VERSION, "entries": records}, separators=(",", ":")).encode()
         temp = self.path.with_name(f".{PINS_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -376,5 +465,8 @@ def _parse(doc: Any) -> dict[str, Hold]:
         if not isinstance(pinned, bool) or type(num_bytes) is not int or num_bytes < 0 or \
                 not isinstance(until, int | float) or isinstance(until, bool):
             continue
-        holds[digest] = Hold(pinned, num_bytes if pinned else 0, float(until))
+        tenant = record.get("tenant", "")  # absent in files older builds wrote
+        if not isinstance(tenant, str) or len(tenant) > _MAX_TENANT_CHARS:
+            tenant = ""
+        holds[digest] = Hold(pinned, num_bytes, float(until), tenant)
     return holds

@@ -2,7 +2,8 @@
 An entry kept here holds a reference to its KV pool blocks; removing it gives them back.
 
 `guard(digest)` says how strongly an entry is held (`pins.Level`): LRU eviction takes unprotected
-entries only; a retained entry goes only to make room for a pinned one, or when the pool asks for
+entries only; a retained entry (within its tenant's share of the retained budget: past it, a
+retention protects nothing) goes only to make room for a pinned one, or when the pool asks for
 more (`evict_oldest(up_to=...)`); a pinned one only when the pool asks for it explicitly."""
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class RamTier:
                 return None
             self._entries.move_to_end(key.digest)
             return entry
+
+    def peek(self, digest: str) -> CacheEntry | None:
+        """The entry kept under `digest`, without marking it used."""
+        with self._mutex:
+            return self._entries.get(digest)
 
     def holds(self, entry: CacheEntry) -> bool:
         """Whether this very entry is kept here (without marking it used)."""

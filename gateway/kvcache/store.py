@@ -23,7 +23,7 @@ from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.pins import Level, Pins
+from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 from gateway.kvcache.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,13 @@ class Tally:
 
 
 class PrefixStore:
-    def __init__(self, ram: RamTier, disk: DiskTier | None = None) -> None:
+    def __init__(self, ram: RamTier, disk: DiskTier | None = None,
+                 retained_budget_bytes: int = DEFAULT_RETAINED_BUDGET_BYTES) -> None:
         self.ram = ram
         self.disk = disk
         self.tally = Tally()
         self.pins = disk.pins if disk is not None else Pins(None)
+        self.pins.retained_budget_bytes = retained_budget_bytes
         ram.guard = self.pins.level
         self._writer = BackgroundWriter(self._persist) if disk is not None else None
 
@@ -160,9 +162,13 @@ class PrefixStore:
         self.pins.unpin(digest)
         return self.find(digest)
 
-    def retain(self, digest: str, seconds: float) -> None:
-        """Keep the entry of `digest` (present, or about to be computed) at least `seconds`."""
-        self.pins.retain(digest, seconds)
+    def retain(self, digest: str, seconds: float, tenant: str = "") -> None:
+        """Keep the entry of `digest` (present, or about to be computed) at least `seconds`, within
+        `tenant`'s share of the retained budget (`shares.py`)."""
+        self.pins.retain(digest, seconds, tenant)
+        held = self.ram.peek(digest)
+        if held is not None:
+            self.pins.note_bytes(digest, held.num_bytes)
 
     def pinned_bytes(self) -> int:
         return self.pins.pinned_bytes()
@@ -182,7 +188,9 @@ class PrefixStore:
     # ---- listing and removing ------------------------------------------------------------------
 
     def entries(self) -> list[EntryInfo]:
-        """Every entry of this model in any tier, most recently used first."""
+        """Every entry of this model in any tier, most recently used first, with the pins as the
+        file holds them now (another process's change included)."""
+        self.pins.refresh()
         merged = {e.key.digest: _ram_info(e) for e in self.ram.entries()}
         for record in self.disk.records() if self.disk is not None else ():
             held = merged.get(record.digest)
@@ -248,6 +256,7 @@ class PrefixStore:
         return dataclasses.replace(info, pinned=level is Level.PINNED, retain_until=self.pins.retain_until(info.digest))
 
     def _insert_ram(self, entry: CacheEntry) -> None:
+        self.pins.note_bytes(entry.key.digest, entry.num_bytes)  # before it competes for room
         self.tally.add("eviction", "ram", len(self.ram.insert(entry)))
 
     def _load_from_disk(self, key: PrefixKey) -> CacheEntry | None:
