@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from gateway import __version__, bench
 from gateway.cli import cache as cache_cli
 from gateway.cli import parity
+from gateway.cli.resolved import check_vllm_flags, resolved_values
 from gateway.cli_errors import CliError, run_reporting_errors
 from gateway.logs import configure_logging
 from gateway.settings import (
@@ -96,6 +97,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         if title is not None:
             group = parser.add_argument_group(f"{title} settings")
         _add_setting(group, name, field)
+    parser.add_argument_group("vLLM's flags").add_argument(
+        "--enable-auto-tool-choice", action="store_true", default=argparse.SUPPRESS,
+        help="accepted for vLLM's command lines, and always the case: a request with tools and tool_choice auto "
+             "(or none given) gets the model's calls parsed, in the family adapter picks (see --tool-call-parser)")
 
 
 def _add_setting(group: Any, name: str, field: FieldInfo) -> None:
@@ -171,6 +176,7 @@ def resolve_from_args(args: argparse.Namespace) -> ResolvedSettings:
 def _serve(args: argparse.Namespace) -> int:
     resolved = resolve_from_args(args)
     settings = resolved.settings
+    check_vllm_flags(settings)
     if settings.replicas > 1:
         return _serve_on_ray(resolved)
     if not settings.upstreams:
@@ -252,15 +258,18 @@ def _config(args: argparse.Namespace) -> int:
     resolved = resolve_from_args(args)
     for line in resolved.warnings:
         print(f"toolkv: warning: {line}", file=sys.stderr)
+    check_vllm_flags(resolved.settings)
     values = resolved.settings.model_dump(mode="json")
+    here = resolved_values(resolved.settings)  # what `auto` and the machine's defaults come to here
     if args.json:
         print(json.dumps({"version": __version__,
                           "config_file": str(resolved.config_file) if resolved.config_file else None,
-                          "settings": {name: {"value": shown_value(name, value), "source": resolved.sources[name]}
+                          "settings": {name: {"value": shown_value(name, value), "source": resolved.sources[name],
+                                              **({"resolved": here[name]} if name in here else {})}
                                        for name, value in values.items()}}, indent=2))
         return 0
     print(f"# {VERSION}; config file: {resolved.config_file or 'none'}")
-    rows = [(name, _shown(name, value), _source(name, resolved)) for name, value in values.items()]
+    rows = [(name, here.get(name) or _shown(name, value), _source(name, resolved)) for name, value in values.items()]
     width = max(len(name) for name, _, _ in rows)
     value_width = min(40, max(len(value) for _, value, _ in rows))
     print(f"{'SETTING':{width}}  {'VALUE':{value_width}}  SOURCE")

@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,32 @@ class ParityClient:
 
 
 def run_parity(client: ParityClient, model: str, tools: list[dict[str, Any]], system: str,
-               queries: Iterable[Query], max_tokens: int, tool_choice: str = "auto") -> Report:
+               queries: Iterable[Query], max_tokens: int, tool_choice: str = "auto",
+               progress: Callable[[str], None] | None = None) -> Report:
+    """`progress` gets a line per query as it finishes (its index, whether the two outputs match,
+    each path's time): a CPU server's first query can take minutes while it compiles the group."""
     queries = list(queries)
     report = Report(model, tool_choice, response_format=any(q.response_format for q in queries))
-    for query in queries:
+    for index, query in enumerate(queries, 1):
         body = request_body(model, tools, system, query, max_tokens, tool_choice)
-        report.add(query, client.chat(body, bypass=False), client.chat(body, bypass=True))
+        (cached, cached_s), (bypass, bypass_s) = (_timed(client, body, False), _timed(client, body, True))
+        report.add(query, cached, bypass)
+        if progress is not None:
+            progress(_case_line(f"[{index}/{len(queries)}]", query, cached, bypass, cached_s, bypass_s))
     return report
+
+
+def _timed(client: ParityClient, body: dict[str, Any], bypass: bool) -> tuple[Answer, float]:
+    started = time.perf_counter()
+    answer = client.chat(body, bypass=bypass)
+    return answer, time.perf_counter() - started
+
+
+def _case_line(index: str, query: Query, cached: Answer, bypass: Answer, cached_s: float, bypass_s: float) -> str:
+    same = "identical" if cached.output == bypass.output else "DIFFERS"
+    result = "hit" if cached.cached_tokens > 0 else "miss"
+    text = query.query if len(query.query) <= 60 else query.query[:57] + "..."
+    return f"{index} {same}: cache {cached_s:.1f} s ({result}), bypass {bypass_s:.1f} s: {text!r}"
 
 
 def request_body(model: str, tools: list[dict[str, Any]], system: str, query: Query, max_tokens: int,
@@ -200,13 +220,21 @@ def _parity(args: argparse.Namespace) -> int:
         queries = load_queries(args.queries, {t["function"]["name"] for t in tools},
                                args.response_format)[: args.limit]
         client = ParityClient(args.base_url, args.api_key, args.timeout)
-        report = run_parity(client, args.model or client.model(), tools, args.system, queries, args.max_tokens,
-                            args.tool_choice)
+        model = args.model or client.model()
+        _say(f"{len(queries)} queries to {model} at {args.base_url}, each through the cache and with the bypass "
+             "(a CPU server's first may take minutes: it compiles the tool group)")
+        report = run_parity(client, model, tools, args.system, queries, args.max_tokens, args.tool_choice,
+                            progress=_say)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # urllib's errors are OSErrors
         print(f"toolkv parity: {_describe(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(report), indent=2) if args.json else "\n".join(report.lines()))
     return 0 if report.identical == report.num_queries else 1
+
+
+def _say(line: str) -> None:
+    """Progress on stderr (the report, maybe JSON, is stdout's), shown at once."""
+    print(f"toolkv parity: {line}", file=sys.stderr, flush=True)
 
 
 def _describe(exc: Exception) -> str:

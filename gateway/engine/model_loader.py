@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gateway.settings import DEFAULT_MODEL, Settings
+from gateway.settings import DEFAULT_MODEL, Settings, SettingsError, read_chat_template
 
 log = logging.getLogger(__name__)
 FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -113,15 +113,21 @@ def load_model(settings: Settings) -> LoadedModel:
         # for a 36-token suffix over a 3,000-token SmolLM2 prefix. CPU SDPA takes the mask and the
         # grouped heads natively, with the same values. An explicit setting is kept.
         os.environ.setdefault(FORCE_GQA_ENV, "1")
-    kwargs: dict[str, Any] = {"dtype": dtype, "revision": settings.revision}
+    kwargs: dict[str, Any] = {"dtype": dtype, "revision": settings.revision,
+                              "trust_remote_code": settings.trust_remote_code}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     kwargs.update(_quantization_kwargs(settings, device, dtype))
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            source.location, gguf_file=source.gguf_file, revision=settings.revision
+            source.location, gguf_file=source.gguf_file, revision=settings.revision,
+            trust_remote_code=settings.trust_remote_code,
         )
+        if settings.chat_template:  # vLLM's --chat-template; the tokenizer's fingerprint (cache key) holds it
+            tokenizer.chat_template = read_chat_template(settings.chat_template)
         model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except SettingsError as exc:
+        raise ModelLoadError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {source.location!r}: {exc}") from exc
     if settings.quantization == "none":

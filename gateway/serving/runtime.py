@@ -11,6 +11,7 @@ import torch
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
+from adapters.toolcalls.vllm_names import adapter_for
 from gateway.engine import Engine, attention, fused_layers
 from gateway.engine.chunks import turn_opening
 from gateway.engine.model_info import ModelInfo
@@ -107,7 +108,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
         log.info("loading model %s (device %s, dtype %s)...", settings.model, settings.device, settings.dtype)
         loaded = load_model(settings)
     tokenizer = loaded.tokenizer
-    family = (get_family(settings.adapter) if settings.adapter != "auto" else
+    adapter = adapter_for(settings.adapter, settings.tool_call_parser)  # vLLM's --tool-call-parser folded in
+    family = (get_family(adapter) if adapter != "auto" else
               detect_family(loaded.model.config.model_type, tokenizer.chat_template))
     plan = engine_plan(settings, loaded.device, loaded.model)
     # The chunk size and the kernels decide a group's KV bits (see gateway/engine/model_runner.py).

@@ -9,9 +9,11 @@ is a warning naming it (and the closest setting), since the environment holds wh
 Byte budgets take sizes: `8GiB`, `512MB`, `1.5 GiB` or plain bytes.
 
 The package: `declaration.py` (the `Settings` class), `loading.py` (the sources merged, with where
-each value came from), `parts.py` (sizes, field markers, shared checks, error wording).
+each value came from), `parts.py` (sizes, field markers, shared checks, error wording), `chat_template.py` (the
+`chat_template` setting read into template text).
 """
 
+from gateway.settings.chat_template import describe_chat_template, read_chat_template
 from gateway.settings.declaration import DEFAULT_CONFIG, DEFAULT_MODEL, Settings
 from gateway.settings.loading import (
     LIST_SETTINGS,
@@ -39,6 +41,6 @@ from gateway.settings.parts import (
 )
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_MODEL", "ENV_PREFIX", "LIST_SETTINGS", "SECRET_SETTINGS", "Bytes", "Cli",
-           "ResolvedSettings", "Settings", "SettingsError", "Source", "cli_of", "config_or_default", "format_size",
-           "is_size", "load_settings", "parse_size", "resolve_settings", "section", "section_of", "shown_value",
-           "split_list", "upstream_base_url"]
+           "ResolvedSettings", "Settings", "SettingsError", "Source", "cli_of", "config_or_default",
+           "describe_chat_template", "format_size", "is_size", "load_settings", "parse_size", "read_chat_template",
+           "resolve_settings", "section", "section_of", "shown_value", "split_list", "upstream_base_url"]

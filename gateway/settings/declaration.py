@@ -50,6 +50,16 @@ class Settings(BaseSettings):
     quantization: Literal["none", "4bit"] = Field("none", description="4bit: weights in 4 bits (CUDA, bitsandbytes)")
     adapter: Literal["auto", "chatml", "llama3", "mistral"] = Field(
         "auto", description="the chat template family for tool calls (auto: detected from the model)")
+    tool_call_parser: Annotated[str | None, Cli(metavar="NAME")] = Field(
+        None, description="vLLM's name for the model's tool-call syntax, mapped onto toolkv's chat families: "
+                          "hermes (chatml), llama3_json (llama3), mistral (mistral); any other name stops start-up, "
+                          "naming these (unset: adapter decides)")
+    chat_template: Annotated[str | None, Cli(metavar="FILE|TEMPLATE")] = Field(
+        None, description="a Jinja chat template, as a file path or the template itself (text holding '{' or a "
+                          "newline), rendering every prompt instead of the model's own; part of the cache key")
+    trust_remote_code: bool = Field(False, description="let transformers run the code a model's repository ships "
+                                                       "(a custom architecture or tokenizer) when it loads an HF "
+                                                       "directory or hub id")
     num_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: torch's choice)")
     max_model_len: int | None = Field(None, ge=16, description="the longest prompt plus completion, in tokens "
                                                                "(default: the model's context length)")

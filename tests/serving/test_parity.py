@@ -56,6 +56,17 @@ def test_parity_text_report_names_both_accuracies(family_server, capsys):
     assert "tool-selection accuracy: cache " in out and ", bypass " in out
 
 
+def test_parity_prints_a_progress_line_per_query_on_stderr(family_server, capsys):
+    code = main(["parity", "--base-url", family_server("chatml").api_url, "--tools", str(RETAIL_TOOLS),
+                 "--limit", "3", "--max-tokens", "4", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and json.loads(captured.out)["num_queries"] == 3  # stdout stays the report alone
+    lines = captured.err.splitlines()
+    assert "3 queries to tiny-chatml" in lines[0]
+    assert [line.split()[2] for line in lines[1:]] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert all(" identical: cache " in line and ", bypass " in line for line in lines[1:]), lines
+
+
 def test_builtin_queries_cover_the_retail_tools():
     names = {t["function"]["name"] for t in json.loads(RETAIL_TOOLS.read_text())}
     expected = {q.expected_tool for q in RETAIL_QUERIES}

@@ -193,3 +193,90 @@ def test_version_from_the_command() -> None:
     done = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and done.stdout.strip() == f"toolkv {__version__}", done.stderr
+
+
+# ---- vLLM's serve flags ----------------------------------------------------------------------
+
+
+def test_vllm_tool_flags_are_accepted_and_config_shows_what_they_resolve_to(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    template = tmp_path / "tool_chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    doc = _config_json(capsys, "Qwen/Qwen2.5-7B-Instruct", "--enable-auto-tool-choice", "--tool-call-parser",
+                       "hermes", "--chat-template", str(template), "--trust-remote-code")
+    got = {name: (entry["value"], entry.get("resolved")) for name, entry in doc["settings"].items()}
+    assert got["model"][0] == "Qwen/Qwen2.5-7B-Instruct"
+    assert got["tool_call_parser"] == ("hermes", "hermes (toolkv's hermes parser)")
+    assert got["adapter"] == ("auto", "chatml (from tool_call_parser)")
+    assert got["chat_template"] == (str(template), str(template))
+    assert got["trust_remote_code"] == (True, None)
+    assert main(["config", "--tool-call-parser", "llama3_json", "--chat-template", "{{ messages[0].content }}"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "llama3 (from tool_call_parser)" in rows["adapter"]
+    assert "<inline template, 25 chars>" in rows["chat_template"]
+
+
+@pytest.mark.parametrize("name", ["pythonic", "qwen3_coder", "granite", "internlm", "jamba"])
+def test_a_tool_call_parser_toolkv_does_not_read_stops_start_up_naming_those_it_does(
+        name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[Settings] = []
+    monkeypatch.setattr(cli_main, "_run_server", started.append)
+    assert main(["serve", "--tool-call-parser", name, "--upstream", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{name}'" in err and all(known in err for known in ("hermes", "llama3_json", "mistral")), err
+    assert started == []  # nothing started
+
+
+def test_a_tool_call_parser_that_contradicts_the_adapter_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--tool-call-parser", "mistral", "--adapter", "llama3"]) == 2
+    assert "give one of the two" in capsys.readouterr().err
+    assert main(["config", "--json", "--tool-call-parser", "mistral", "--adapter", "mistral"]) == 0
+
+
+def test_the_tool_call_parser_table_names_toolkvs_parsers_and_families() -> None:
+    from adapters.families import get_family
+    from adapters.toolcalls import get_parser
+    from adapters.toolcalls.vllm_names import VLLM_TOOL_PARSERS
+
+    for vllm_name, mapped in VLLM_TOOL_PARSERS.items():
+        assert get_family(mapped.adapter).tool_parser == mapped.parser, vllm_name
+        assert get_parser(mapped.parser).name == mapped.parser
+
+
+def test_a_chat_template_that_cannot_be_read_or_parsed_stops_start_up(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["config", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "cannot read the template file" in capsys.readouterr().err
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }}\n")  # no endfor
+    assert main(["config", "--chat-template", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a Jinja template" in err and str(broken) in err
+
+
+def test_an_inline_chat_template_has_its_escapes_decoded_as_vllm_does() -> None:
+    from gateway.settings import read_chat_template
+
+    assert read_chat_template(r"{{ 'é' }}\n{{ '中' }}") == "{{ 'é' }}\n{{ '中' }}"
+
+
+def test_config_shows_the_values_auto_and_the_machine_defaults_come_to(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from gateway.serving.runtime import engine_plan
+
+    settings = load_settings(environ={})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = engine_plan(settings, torch.device(device))
+    doc = _config_json(capsys)
+    resolved = {name: entry.get("resolved") for name, entry in doc["settings"].items()}
+    assert resolved["device"] == f"{device} (auto)"
+    assert resolved["max_batch"] == f"{plan.max_batch} (default on {device})"
+    assert resolved["prefill_chunk_tokens"] == f"{plan.chunk_tokens} (default on {device})"
+    assert resolved["batch_invariant"] == f"{str(plan.batch_invariant).lower()} (default on {device})"
+    assert resolved["served_model_name"] == "SmolLM2-135M-Instruct (from the model)"
+    assert resolved["num_threads"] == f"{torch.get_num_threads()} (torch's choice)"
+    assert main(["config", "--max-num-seqs", "3"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["max_batch"] == ["3", "cli"]  # a value given is shown as given
+    assert rows["prefill_chunk_tokens"][:1] == [str(plan.chunk_tokens)] and "-" not in rows["decode_overlap"]
