@@ -1,6 +1,7 @@
 """Cache management endpoints: `POST /v1/cache/warm` (`"pin": true` pins the group), `GET /v1/cache`,
 `GET /v1/cache/{id}`, `DELETE /v1/cache/{id}`, `DELETE /v1/cache`, and `POST`/`DELETE
-/v1/cache/{id}/pin` (pin, unpin). They need the admin key when API keys are set. An id
+/v1/cache/{id}/pin` (pin, unpin: a change the cache dir refuses is a 507, nothing changed). They
+need the admin key when API keys are set: pins are the operator's, never a tenant's. An id
 is an entry's key digest (64 lowercase hex, `gateway/edge/cache_ids.py`); anything else is rejected
 before it can reach the filesystem. Warming fills the shared namespace: what an open gateway, and
 tenants using a group listed in `shared_groups`, look up."""
@@ -19,7 +20,7 @@ from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.edge.limits import check_json_depth
 from gateway.engine import QueueFull
 from gateway.errors import BadRequest, CacheFilesLeft, Overloaded
-from gateway.serving.cache_admin import WarmRequest, entry_dict, pin_entry, plan_warm, warm_plan
+from gateway.serving.cache_admin import WarmRequest, entry_dict, pin_entry, plan_warm, unpin_entry, warm_plan
 from gateway.serving.runtime import Runtime, loaded_runtime
 from gateway.settings import Settings
 
@@ -110,7 +111,7 @@ async def unpin(entry_id: str, request: Request) -> JSONResponse:
     """Unpin an entry: evictable again (it stays cached until LRU takes it)."""
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    info = await asyncio.to_thread(runtime.store.unpin, digest)
+    info = await asyncio.to_thread(unpin_entry, runtime.store, digest)
     if info is None:
         raise unknown_entry(digest)
     return JSONResponse(entry_dict(info))

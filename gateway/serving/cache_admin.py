@@ -1,6 +1,7 @@
 """Cache management shared by the HTTP routes, the CLI and start-up: warming a tool group ahead of
 traffic (from a request body, or a file as `toolkv cache warm` and the `warm_groups` /
-`pinned_groups` settings name), pinning an entry, and the wire shape of a cache entry. A warmed
+`pinned_groups` settings name), pinning and unpinning an entry (a change the cache dir refuses is
+a 507 the client sees, never a 200 lost at the next start), and the wire shape of a cache entry. A warmed
 group is rendered and tokenized exactly as a chat request's tool group is, so later chat requests
 with the same system prompt and tools hit it.
 """
@@ -23,7 +24,7 @@ from gateway.engine import Engine, TooLarge
 from gateway.errors import APIError, BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.pins import PinBudgetExceeded
+from gateway.kvcache.pins import PinBudgetExceeded, PinsNotSaved
 from gateway.kvcache.store import EntryInfo, PrefixStore
 from gateway.protocol.chat import ToolIn
 from gateway.serving.checks import check_unique_names
@@ -110,13 +111,39 @@ def warm_plan(engine: Engine, plan: WarmPlan) -> Future[Warmed]:
     return warmed
 
 
+class PinNotSaved(APIError):
+    """A pin or unpin the cache dir refused (read-only, full): nothing changed. Said as 507
+    (Insufficient Storage): the server cannot record it, and a pin kept in memory alone would be
+    lost at the next start and unseen by the other processes on the dir."""
+
+    status_code = 507
+    error_type = "server_error"
+    default_code = "pin_not_saved"
+
+
 def pin_entry(store: PrefixStore, digest: str, budget_bytes: int, param: str = "id") -> EntryInfo | None:
-    """Pin the entry (None: there is none); past `budget_bytes` pinned, a 400 naming the setting."""
+    """Pin the entry (None: there is none); past `budget_bytes` pinned, a 400 naming the setting;
+    a cache dir that refuses it, a 507."""
     try:
         return store.pin(digest, budget_bytes)
     except PinBudgetExceeded as exc:
         raise BadRequest(f"cannot pin {digest}: {exc}; unpin another group (DELETE /v1/cache/ID/pin) "
                          "or raise pinned_budget_bytes", param=param, code="pinned_budget_exceeded") from None
+    except PinsNotSaved as exc:
+        raise _not_saved("pin", exc, param) from None
+
+
+def unpin_entry(store: PrefixStore, digest: str) -> EntryInfo | None:
+    """Unpin the entry (None: there is none); a cache dir that refuses it, a 507 (still pinned)."""
+    try:
+        return store.unpin(digest)
+    except PinsNotSaved as exc:
+        raise _not_saved("unpin", exc, "id") from None
+
+
+def _not_saved(action: str, exc: PinsNotSaved, param: str) -> PinNotSaved:
+    return PinNotSaved(f"cannot {action}: {exc}; make the cache dir (cache_dir) writable or give it room, "
+                       "then retry", param=param)
 
 
 # ---- groups named in files (`toolkv cache warm FILE`, warm_groups, pinned_groups) ----------------
@@ -205,6 +232,9 @@ def _pin_configured(store: PrefixStore, warmed: Warmed, group: ConfiguredGroup, 
     except PinBudgetExceeded as exc:
         log.warning("setting '%s': %s is warmed but not pinned: %s; unpin another group (DELETE "
                     "/v1/cache/ID/pin) or raise pinned_budget_bytes", group.setting, group.path, exc)
+        return False
+    except PinsNotSaved as exc:  # a read-only cache dir still serves: the group stays warmed
+        log.warning("setting '%s': %s is warmed but not pinned: %s", group.setting, group.path, exc)
         return False
 
 

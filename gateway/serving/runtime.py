@@ -115,7 +115,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     # The chunk size and the kernels decide a group's KV bits (see gateway/engine/model_runner.py).
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
                              f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
-    store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded))
+    store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded),
+                        retained_budget_bytes=settings.retained_budget_bytes)
     info = ModelInfo.of(loaded.model, tokenizer, identity)
     block_bytes = info.pool_shape.bytes_per_token * settings.kv_block_tokens if info.pool_shape else 0
     if settings.ram_budget_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
@@ -190,7 +191,8 @@ def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:
     if settings.disk_budget_bytes == 0:
         return None
-    disk = DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes, identity, loaded.device)
+    disk = DiskTier(settings.resolved_cache_dir, settings.disk_budget_bytes, identity, loaded.device,
+                    retained_budget_bytes=settings.retained_budget_bytes)
     disk.sweep_stale_temps()
     evicted = disk.evict_over_budget()  # a dir left over budget (a lower budget now) shrinks at start
     if evicted:

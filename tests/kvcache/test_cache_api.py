@@ -3,6 +3,8 @@ operator and the chat clients after them notice it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,25 @@ def test_a_removal_the_disk_refuses_is_an_error_not_a_deletion(api: httpx.Client
     finally:
         path.rmdir()
     assert api.delete(f"/cache/{warmed['id']}").status_code == 404  # gone from RAM already
+
+
+def test_a_pin_the_disk_refuses_is_a_507_not_a_pin_lost_at_restart(api: httpx.Client, live: LiveServer) -> None:
+    """On a read-only cache dir a pin answered 200 while it lived in memory only: lost at the next
+    start, unseen by the other servers on the dir. chattr +i: permissions do not stop root."""
+    warmed = _warm(api, tools=TOOLS, system=SYSTEM)
+    root = live.app.state.settings.resolved_cache_dir
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(root)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        refused = api.post(f"/cache/{warmed['id']}/pin", json={})
+        assert refused.status_code == 507, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "pin_not_saved" and "cache_dir" in error["message"] and error["param"] == "id"
+        assert api.get(f"/cache/{warmed['id']}").json()["pinned"] is False  # nothing changed
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=False)
+    assert api.post(f"/cache/{warmed['id']}/pin", json={}).json()["pinned"] is True
+    assert api.delete(f"/cache/{warmed['id']}/pin").json()["pinned"] is False
 
 
 def test_clear_empties_every_tier(api: httpx.Client) -> None:
