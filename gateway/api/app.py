@@ -39,6 +39,7 @@ from gateway.edge.auth import KeyRing
 from gateway.edge.browser_guard import install_browser_guard
 from gateway.edge.handlers import install_error_handlers
 from gateway.edge.limits import BodySizeLimit
+from gateway.edge.request_id import MessagesRequestId
 from gateway.edge.shutdown_answer import CutOffAnswer
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
@@ -88,7 +89,8 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
                        read_timeout_s=settings.body_read_timeout_s, keyring=app.state.keyring)
     install_browser_guard(app, settings)  # refuses foreign Hosts and non-JSON bodies first
-    app.add_middleware(CutOffAnswer)  # outermost: a request shutdown cuts off gets a JSON 503
+    app.add_middleware(CutOffAnswer)  # a request shutdown cuts off gets a JSON 503
+    app.add_middleware(MessagesRequestId)  # outermost: `request-id` on every Messages answer
     install_error_handlers(app)
     _install_routes(app)
     app.include_router(cache_routes.router)

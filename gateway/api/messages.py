@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gateway.api.generation import (
@@ -38,11 +38,12 @@ from gateway.api.messages_stream import (
     stop_reason,
     usage_of,
 )
+from gateway.edge.request_id import new_request_id
 from gateway.errors import APIError, in_terms_of, named_by
 from gateway.metrics import Metrics
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
-from gateway.protocol.messages import MessagesRequest, chat_body, messages_param
+from gateway.protocol.messages import CountTokensRequest, MessagesRequest, chat_body, messages_param
 from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
@@ -68,9 +69,27 @@ async def create_message(request: Request) -> Response:
     return await serve_generation(request, new_message_id(), _plan, respond)
 
 
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    """The prompt's tokens, `{"input_tokens": N}`: what `usage` of the same `/v1/messages`
+    request adds up to (input + cache reads + cache writes). The request is validated and
+    prepared exactly as a message would be (a 400 for what `/v1/messages` refuses), then not run."""
+    async def respond(planned: Planned, release: Release) -> Response:
+        return JSONResponse({"input_tokens": len(planned.prepared.job.prompt_ids)})
+
+    return await serve_generation(request, new_request_id(), _plan_count, respond)
+
+
 def _plan(arrival: Arrival) -> Planned:
     """Parse, translate to chat and prepare (on a prepare thread)."""
-    req = parse_model(arrival.body, MessagesRequest)
+    return _prepared(arrival, parse_model(arrival.body, MessagesRequest))
+
+
+def _plan_count(arrival: Arrival) -> Planned:
+    return _prepared(arrival, parse_model(arrival.body, CountTokensRequest))
+
+
+def _prepared(arrival: Arrival, req: MessagesRequest) -> Planned:
     body = chat_body(req)  # its own errors name Messages fields already
     with named_by(messages_param):
         try:

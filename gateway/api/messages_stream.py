@@ -44,11 +44,16 @@ def stop_reason(finish_reason: str, stop_sequence: str | None = None) -> StopRea
 
 def usage_of(usage: Usage) -> dict[str, int]:
     """Anthropic's usage: the prompt split into tokens read from the cache, tokens written to it
-    (the tool group a miss computed and stored) and the rest (`input_tokens`)."""
-    read, written = usage.cached_tokens, usage.cache_write_tokens
-    return {"input_tokens": max(usage.prompt_tokens - read - written, 0),
-            "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": written, "cache_read_input_tokens": read}
+    and the rest (`input_tokens`); the three add up to the prompt, as Anthropic's do (clients add
+    them). Both counts are prefixes of the prompt: a miss that started from part of a cached group
+    (partial group reuse) read that part and wrote only the group past it, whereas chat's
+    `cache_write_tokens` counts the whole group stored, as OpenAI counts writes
+    (tests/api/test_messages_usage.py: hit, miss, partial group, conversation, whole and streamed)."""
+    prompt = usage.prompt_tokens
+    read = min(usage.cached_tokens, prompt)
+    created = max(min(usage.cache_write_tokens, prompt) - read, 0)
+    return {"input_tokens": prompt - read - created, "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

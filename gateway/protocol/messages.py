@@ -181,6 +181,16 @@ class MessagesRequest(Lenient):
         return data
 
 
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a message's fields without `max_tokens` (ignored when sent:
+    one token of room, so a prompt that fills the context is refused as a message would be)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_token_of_room(cls, data: Any) -> Any:
+        return {**data, "max_tokens": 1} if isinstance(data, dict) else data
+
+
 def _check_fields(data: dict[str, Any], rules: dict[str, Any], prefix: str) -> None:
     for name, is_noop in rules.items():
         value = data.get(name)
