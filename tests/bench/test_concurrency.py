@@ -96,8 +96,8 @@ def test_compile_overlap_times_hits_alone_and_during_a_compile(run):
     assert phases[:3] == ["warm", "alone", "alone"] and phases[3] == "compile"
     assert o["hit_alone"]["n"] == 2 and o["hit_alone"]["ttft_ms"]["p50"] > 0
     assert o["hit_during_compile"]["n"] >= 1 and o["hit_during_compile"]["ttft_ms"]["p50"] > 0
-    assert o["during_over_alone"] == pytest.approx(
-        o["hit_during_compile"]["ttft_ms"]["p50"] / o["hit_alone"]["ttft_ms"]["p50"], rel=0.02)
+    assert o["during_over_alone"] == pytest.approx(  # stored to 2 decimals: 0.2 can stand for 0.195
+        o["hit_during_compile"]["ttft_ms"]["p50"] / o["hit_alone"]["ttft_ms"]["p50"], rel=0.02, abs=0.006)
     compile_sample = next(s for s in o["samples"] if s["tags"]["phase"] == "compile")
     hits = [s for s in o["samples"] if s["tags"]["phase"] != "compile"]
     assert compile_sample["prompt_tokens"] == o["compile_prompt_tokens"]
