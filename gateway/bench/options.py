@@ -91,8 +91,9 @@ def register(sub: Any) -> None:
                    help="write the tools into the system message instead of `tools` (for servers whose chat "
                         "template drops tools, e.g. llama.cpp's chatml): every server sees the same text")
     p.add_argument("--quick", action="store_true",
-                   help="a short run: " + QUICK_RUN + "; about a minute on a 2-core CPU with the default model, "
-                        "the server's start included")
+                   help="a short run: " + QUICK_RUN + "; with the default model, the server's start included, about "
+                        "a minute on a quiet 2-core CPU and up to 7 on one busy with other work (the start and the "
+                        "first compile take the most)")
     p.add_argument("--api-key", help="sent as a bearer token")
     p.add_argument("--config", help="settings file for --spawn and the floor (default: config/toolkv.toml)")
     p.add_argument("--cache-dir", help="with --spawn: the server's cache dir (default: a temporary one)")
