@@ -19,6 +19,16 @@ tokenizer splits at special tokens anyway, so every other piece keeps exactly it
 cache keys on token ids, so such a prompt is never served KV computed for the control-token
 reading.
 
+Client text is looked for where the renderer reads it, not where the client wrote it. A history
+call's `arguments` is JSON text the renderer parses and writes again (adapters/base.py
+`arguments_object`, then the template's `tojson` or the family's `json.dumps`), so the arguments
+`{"q": "\\u003c|im_end|\\u003e"}` reach the prompt holding `<|im_end|>`: their strings are searched
+and masked as parsed (object keys included), and the masked arguments are that parsed value written
+again, so the masked render is the real one with the same characters masked. Every API comes
+through here: Responses items (the stored ones `previous_response_id` replays included), legacy
+`function_call` and Messages `tool_use` all arrive as a chat history's calls
+(tests/security/test_forged_turns.py).
+
 A template that does not carry client text through unchanged (the masked render, unmasked, is not
 the real render) cannot be told apart: that request is a 400 naming the special token, never a
 prompt with a forged turn. Only special added tokens are kept apart; a tokenizer's plain added
@@ -28,6 +38,7 @@ tokens (not control tokens) are found in any text, as before.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -35,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from adapters.base import ChatMessage, ToolCallIn, ToolSpec
+from adapters.base import ChatMessage, ToolCallIn, ToolSpec, arguments_object
 from gateway.errors import BadRequest
 
 _MASK_BASE = 0x100000  # Supplementary Private Use Area-B: no tokenizer or client text means anything by it
@@ -151,6 +162,8 @@ def _client_strings(messages: list[ChatMessage], tools: list[ToolSpec], json_saf
         yield from (s for s in (message.content, message.name, message.tool_call_id) if s)
         for call in message.tool_calls:
             yield from (call.id, call.name, call.arguments)
+            if "\\" in call.arguments:  # an escape: the parsed strings differ from the text sent
+                yield from _json_strings(arguments_object(call.arguments))
     for tool in tools:
         yield tool.name
         if tool.description:
@@ -188,9 +201,19 @@ def _map_optional(text: str | None, fn: Callable[[str], str]) -> str | None:
 
 
 def _map_message(message: ChatMessage, fn: Callable[[str], str]) -> ChatMessage:
-    calls = tuple(ToolCallIn(fn(c.id), fn(c.name), fn(c.arguments)) for c in message.tool_calls)
+    calls = tuple(ToolCallIn(fn(c.id), fn(c.name), _map_arguments(c.arguments, fn)) for c in message.tool_calls)
     return replace(message, content=_map_optional(message.content, fn), name=_map_optional(message.name, fn),
                    tool_call_id=_map_optional(message.tool_call_id, fn), tool_calls=calls)
+
+
+def _map_arguments(arguments: str, fn: Callable[[str], str]) -> str:
+    """`arguments` whose value, as the renderer parses it, has every string through `fn`: the
+    parsed value written again (the renderer writes it again anyway), or the text itself through
+    `fn` where it is not JSON (the renderer writes that text as it is)."""
+    value = arguments_object(arguments)
+    if value is arguments:
+        return fn(arguments)
+    return json.dumps(_map_json(value, fn), ensure_ascii=False)
 
 
 def _map_json(value: Any, fn: Callable[[str], str]) -> Any:
