@@ -229,12 +229,14 @@ def _serve_on_ray(resolved: ResolvedSettings) -> int:
 def _app(settings: Settings) -> Any:
     """Proxy mode when upstreams are set (no model is loaded, torch is never imported), else the model app."""
     if settings.upstreams:
+        from gateway.api import dashboard  # lazy: the fleet view's page and numbers (no torch)
         from gateway.proxy.app import create_proxy_app  # lazy: the proxy's app and httpx
+        from gateway.proxy.fleet.view import upstream_view  # lazy: as above
 
         logging.getLogger("gateway").info("proxy mode: forwarding to %s", ", ".join(settings.upstreams))
         if settings.log_level != "debug":  # httpx logs every upstream call; a request's line is the proxy's own
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        return create_proxy_app(settings)
+        return create_proxy_app(settings, view=upstream_view(dashboard))
     from gateway.api.app import create_app  # lazy: the model app imports torch
 
     return create_app(settings)

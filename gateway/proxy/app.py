@@ -3,7 +3,9 @@ OpenAI-compatible upstreams picked by tool-group affinity, behind the model app'
 and tenants, the per-key quota, body limits, the browser guard, the error envelope). Everything
 the app owns hangs on `app.state`. In `upstream_cache_salt = "tenant"` mode with keys, every
 request names its tenant to the upstream, and only upstreams known to keep tenants apart get one
-(gateway/proxy/tenancy.py): the proxy refuses to start when an upstream cannot."""
+(gateway/proxy/tenancy.py): the proxy refuses to start when an upstream cannot. How the upstreams
+are shown (`/health`, `/metrics`, the cache across them, the dashboard) is the fleet view the
+builder picks (gateway/proxy/fleet/)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.edge.admission import Preparer, TenantQuota
 from gateway.edge.auth import KeyRing, Tenant
@@ -30,8 +31,9 @@ from gateway.edge.limits import BodySizeLimit
 from gateway.errors import BadGateway, BadRequest, ModelNotFound, NotFound, UpstreamUnavailable
 from gateway.proxy import tenancy, upstream_info
 from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_status
-from gateway.proxy.cache_pins import add_pin_routes
 from gateway.proxy.exchange import Exchange
+from gateway.proxy.fleet.routes import fleet_routes
+from gateway.proxy.fleet.view import FleetView, upstream_view
 from gateway.proxy.forward import Answer, Bounds, Forwarder, Opened, answer_usage
 from gateway.proxy.headers import upstream_headers
 from gateway.proxy.metrics import ProxyMetrics
@@ -47,9 +49,11 @@ log = logging.getLogger(__name__)
 RESPONSE_HOMES = 100_000  # Responses ids remembered (each ~200 bytes), least recently used out
 
 
-def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | None = None,
+                     view: FleetView | None = None) -> FastAPI:
     """The app; `settings.upstreams` must name at least one upstream. `transport` replaces the
-    network (Ray Serve mode reaches its engine replicas through deployment handles)."""
+    network (Ray Serve mode reaches its engine replicas through deployment handles); `view` is how
+    the upstreams are shown (gateway/proxy/fleet/view.py; proxy mode's, without a dashboard, by default)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bounds = Bounds(settings.upstream_max_body_bytes, settings.upstream_event_timeout_s)
@@ -82,6 +86,7 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     state.response_homes = ResponseHomes(RESPONSE_HOMES, settings.max_stored_responses * len(settings.upstreams))
     state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
     state.tenant_safety = tenancy.TenantSafety(settings.upstreams, tenancy.required(settings, state.keyring.open))
+    state.fleet_view = view or upstream_view()
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
@@ -89,6 +94,7 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
     install_error_handlers(app)
     _install_routes(app)
+    app.include_router(fleet_routes(state.fleet_view))  # /health, /metrics, /v1/cache, the dashboard
     return app
 
 
@@ -105,14 +111,6 @@ def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | No
 
 
 def _install_routes(app: FastAPI) -> None:
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        upstreams = await upstream_info.probe_all(request.app.state)
-        reachable = sum(u["status"] == "ok" for u in upstreams)
-        status = "ok" if reachable == len(upstreams) else ("degraded" if reachable else "failed")
-        return JSONResponse({"status": status, "mode": "proxy", "upstreams": upstreams},
-                            status_code=200 if reachable else 503)
-
     @app.get("/version")  # as a toolkv's: a proxy in tenant mode passes the tenant a trusted proxy names on
     async def version(request: Request) -> JSONResponse:
         safety: tenancy.TenantSafety = request.app.state.tenant_safety
@@ -132,13 +130,8 @@ def _install_routes(app: FastAPI) -> None:
             raise ModelNotFound(f"model '{model_id[:200]}' does not exist on any upstream", param="model")
         return JSONResponse(found)
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     for kind, path in PATHS.items():
         app.add_api_route(path, _endpoint(kind), methods=["POST"], name=f"proxy_{kind}")
-    add_pin_routes(app)  # on every upstream that holds the entry
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(request: Request, response_id: str) -> Response:

@@ -50,11 +50,12 @@ async def read_body(resp: httpx.Response, limit: int, deadline_s: float) -> byte
 
 
 async def fetch(client: httpx.AsyncClient, method: str, url: str, *, limit: int, timeout_s: float,
-                headers: Mapping[str, str] | None = None,
-                params: httpx.QueryParams | None = None) -> tuple[httpx.Response, bytes]:
+                headers: Mapping[str, str] | None = None, params: httpx.QueryParams | None = None,
+                content: bytes | None = None) -> tuple[httpx.Response, bytes]:
     """A whole answer read with `read_body` (a lookup, not a generation: `timeout_s` bounds each
     wait and the body). Raises httpx.HTTPError or Unreadable."""
-    request = client.build_request(method, url, headers=dict(headers or {}), params=params, timeout=timeout_s)
+    request = client.build_request(method, url, headers=dict(headers or {}), params=params, content=content,
+                                   timeout=timeout_s)
     resp = await client.send(request, stream=True)
     try:
         return resp, await read_body(resp, limit, timeout_s)

@@ -2,7 +2,7 @@
 marks them up or down for routing; on every `GET /health` and every `upstream_probe_s` in the
 background; in tenant mode an upstream found up that is not yet known to keep tenants apart, or
 back after being down, is checked again: gateway/proxy/tenancy.py) and `/v1/models` (the union of
-their lists). Every answer is read bounded (gateway/proxy/bounded.py)."""
+their lists). Both are asked of every upstream at once (gateway/proxy/fan_out.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import asyncio
 import logging
 from typing import Any
 
-import httpx
 import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable
 from gateway.proxy import tenancy
-from gateway.proxy.bounded import Unreadable, fetch
+from gateway.proxy.fan_out import UpstreamAnswer, ask_all
 from gateway.proxy.upstreams import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,9 @@ async def probe_all(state: Any) -> list[dict[str, Any]]:
     """Each upstream's status (`ok`, `loading`, `failed`, `error`, `unreachable`) and requests in flight."""
     pool: UpstreamPool = state.pool
     safety: tenancy.TenantSafety = state.tenant_safety
-    statuses = await asyncio.gather(*(probe(state, url) for url in pool.urls))
+    answers = await ask_all(state.forwarder.client, pool.urls, "GET", "/health", limit_bytes=PROBE_BYTES,
+                            timeout_s=state.settings.upstream_connect_timeout_s)
+    statuses = [health_status(answer) for answer in answers]
     was_down = pool.down()
     in_flight = pool.in_flight()
     for url, status in zip(pool.urls, statuses, strict=True):
@@ -38,12 +39,12 @@ async def probe_all(state: Any) -> list[dict[str, Any]]:
                         if status == "ok" and (url in was_down or not safety.usable(url)))
         if recheck:
             await tenancy.check_all(state, recheck)
-    answers: list[dict[str, Any]] = [{"url": url, "status": status, "in_flight": in_flight[url]}
-                                     for url, status in zip(pool.urls, statuses, strict=True)]
+    rows: list[dict[str, Any]] = [{"url": url, "status": status, "in_flight": in_flight[url]}
+                                  for url, status in zip(pool.urls, statuses, strict=True)]
     if safety.required:
-        for answer in answers:
-            answer["tenants_apart"] = safety.usable(answer["url"])
-    return answers
+        for row in rows:
+            row["tenants_apart"] = safety.usable(row["url"])
+    return rows
 
 
 async def watch(state: Any, period_s: float) -> None:
@@ -57,20 +58,15 @@ async def watch(state: Any, period_s: float) -> None:
             log.exception("probing the upstreams failed")
 
 
-async def probe(state: Any, url: str) -> str:
-    client: httpx.AsyncClient = state.forwarder.client
-    try:
-        resp, body = await fetch(client, "GET", url + "/health", limit=PROBE_BYTES,
-                                 timeout_s=state.settings.upstream_connect_timeout_s)
-    except httpx.HTTPError:
-        return "unreachable"
-    except Unreadable:
-        return "error"
-    said = _status_field(body)
+def health_status(answer: UpstreamAnswer) -> str:
+    """What an upstream's `/health` answer says: `ok`, `loading`, `failed`, `error`, `unreachable`."""
+    if answer.failure is not None:
+        return "unreachable" if answer.failure == "unreachable" else "error"
+    said = _status_field(answer.body)
     if said in UNAVAILABLE:
         return said
     # 404: it answers, but has no health route (llama-cpp-python's server): reachable is all we learn
-    return "ok" if resp.status_code in (200, 404) else "error"
+    return "ok" if answer.status in (200, 404) else "error"
 
 
 def _status_field(body: bytes) -> str | None:
@@ -85,35 +81,28 @@ def _status_field(body: bytes) -> str | None:
 async def models(state: Any, headers: dict[str, str]) -> dict[str, Any]:
     """Every model the upstreams list, once each (the first upstream's entry of an id wins)."""
     pool: UpstreamPool = state.pool
-    lists = await asyncio.gather(*(_model_list(state, url, headers) for url in pool.urls))
-    answers = [entries for entries in lists if isinstance(entries, list)]
-    if not answers:
+    answers = await ask_all(state.forwarder.client, pool.urls, "GET", "/v1/models", headers=headers,
+                            limit_bytes=state.settings.upstream_max_body_bytes,
+                            timeout_s=state.settings.upstream_connect_timeout_s)
+    lists = [_model_list(answer) for answer in answers]
+    listed = [entries for entries in lists if isinstance(entries, list)]
+    if not listed:
         if any(reason == "error" for reason in lists):
             raise BadGateway("no upstream could list its models")
         raise UpstreamUnavailable("no upstream is reachable", headers={"Retry-After": "1"})
     seen: dict[str, dict[str, Any]] = {}
-    for entries in answers:
+    for entries in listed:
         for entry in entries:
             seen.setdefault(str(entry.get("id")), entry)
     return {"object": "list", "data": list(seen.values())}
 
 
-async def _model_list(state: Any, url: str, headers: dict[str, str]) -> list[dict[str, Any]] | str:
+def _model_list(answer: UpstreamAnswer) -> list[dict[str, Any]] | str:
     """The upstream's model entries, or why not: `error` (an answer that is not a list) or `unreachable`."""
-    client: httpx.AsyncClient = state.forwarder.client
-    try:
-        resp, body = await fetch(client, "GET", url + "/v1/models", headers=headers,
-                                 limit=state.settings.upstream_max_body_bytes,
-                                 timeout_s=state.settings.upstream_connect_timeout_s)
-    except httpx.HTTPError:
+    if answer.failure == "unreachable":
         return "unreachable"
-    except Unreadable:
-        return "error"
-    try:
-        listing = orjson.loads(body) if resp.status_code == 200 else None
-    except orjson.JSONDecodeError:
-        listing = None
-    data = listing.get("data") if isinstance(listing, dict) else None
+    listing = answer.json_object()
+    data = listing.get("data") if listing is not None else None
     if not isinstance(data, list):
         return "error"
     return [entry for entry in data if isinstance(entry, dict)]

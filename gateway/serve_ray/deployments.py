@@ -101,7 +101,8 @@ class EngineReplica:
 
 
 class Ingress:
-    """Proxy mode's app over the engine deployments' handles."""
+    """Proxy mode's app over the engine deployments' handles, showing them as replicas (the fleet
+    view, gateway/proxy/fleet/, with the single gateway's dashboard)."""
 
     def __init__(self, settings_json: dict[str, Any], *engines: Any) -> None:
         self.settings = ingress_settings(Settings(**settings_json), len(engines))
@@ -110,13 +111,13 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         # lazy: only the ingress replica builds the proxy app, never the driver that declares the application
-        from gateway.proxy.app import create_proxy_app
-        from gateway.serve_ray.fleet_view import install_fleet_view  # lazy: as above
+        from gateway.api import dashboard
+        from gateway.proxy.app import create_proxy_app  # lazy: as above
+        from gateway.proxy.fleet.view import replica_view  # lazy: as above
         from gateway.serve_ray.transport import ForwardClientKey, ReplicaTransport  # lazy: as above
 
-        app = create_proxy_app(self.settings, ReplicaTransport(self.handles))
-        install_fleet_view(app, self.settings.upstreams)
-        return ForwardClientKey(app)
+        view = replica_view(dashboard, shared_cache=self.settings.replica_cache == "shared")
+        return ForwardClientKey(create_proxy_app(self.settings, ReplicaTransport(self.handles), view))
 
 
 def configure_replica_logging(settings: Settings) -> None:

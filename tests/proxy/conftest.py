@@ -19,9 +19,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from adapters.base import ToolGroup, ToolSpec
+from gateway.api import dashboard
 from gateway.api.app import create_app
 from gateway.edge.server import server_config
 from gateway.proxy.app import create_proxy_app
+from gateway.proxy.fleet.view import upstream_view
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings
 from tests.proxy.fake_upstream import Arrivals, FakeUpstream
@@ -81,9 +83,9 @@ def wait_for(predicate: Callable[[], bool], deadline_s: float = 60.0) -> bool:
     return True
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    """`/metrics` as {'name{labels}': value} (samples only)."""
-    text = httpx.get(base_url + "/metrics", timeout=30).text
+def scrape(base_url: str, path: str = "/metrics") -> dict[str, float]:
+    """`/metrics` (or `path`) as {'name{labels}': value} (samples only)."""
+    text = httpx.get(base_url + path, timeout=30).text
     samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return {name: float(value) for name, value in samples}
 
@@ -127,10 +129,11 @@ def upstream_settings(tiny_model_dir: Callable[..., Path], tmp_path_factory: pyt
 
 @contextmanager
 def proxy(upstreams: list[Any], **overrides: Any) -> Iterator[Running]:
+    """The proxy as `toolkv serve --upstream` builds it (the fleet view with the dashboard)."""
     settings = load_settings(overrides={"upstreams": tuple(u.base_url for u in upstreams), "upstream_probe_s": 0,
                                         **overrides},
                              environ={})
-    with running(create_proxy_app(settings)) as live:
+    with running(create_proxy_app(settings, view=upstream_view(dashboard))) as live:
         yield live
 
 
