@@ -25,7 +25,9 @@ is always under the size a reader takes. Another process's pin change is seen by
 once (`refresh`: a stat, and a parse when the file changed) and by eviction within a second (a
 stat on the background thread, started by a look at a level; never on the engine's thread). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
-waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory.
+waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory. In
+memory too, at most `_MAX_RECORDS` holds are kept (past an eighth more, the retentions that end
+first go): a flood of distinct retained groups never grows this process.
 """
 
 from __future__ import annotations
@@ -223,6 +225,8 @@ class Pins:
             hold.retain_until = max(hold.retain_until, until)
             hold.tenant = tenant_label(tenant)  # the latest request's tenant is charged
             self._version += 1
+            if len(self._holds) > _MAX_RECORDS + _MAX_RECORDS // 8:  # trimmed now and then, not each time
+                _drop_expired(self._holds)  # down to the file's bound: those that end first go
             stale = until - self._saved_until.get(digest, 0.0) >= _RETAIN_WRITE_SLACK_S
             if self.path is None or not stale or self._flush_pending:
                 return

@@ -5,7 +5,8 @@ agent sends the same tools on every turn. Walking 20 tool schemas for both took 
 
 Keyed by the schema's exact JSON (key order and number types included: both change the grammar)
 and a namespace, the tenant: one tenant's schemas never make another's requests faster, as with
-compiled grammars and tokenized heads. Bounded in bytes (keys and values); a schema over
+compiled grammars and tokenized heads. Bounded in bytes (keys, values and the entries holding them,
+as held: a tracemalloc test holds the memo to its bound); a schema over
 `max_entry_bytes`, or one orjson cannot write, is computed each time. An exception (a 400 for the
 schema) is never remembered.
 """
@@ -24,6 +25,7 @@ T = TypeVar("T")
 
 MAX_BYTES = 32 * 1024**2
 MAX_ENTRY_BYTES = 1024**2
+_ENTRY_OVERHEAD_BYTES = 320
 
 
 class SchemaMemo:
@@ -49,7 +51,10 @@ class SchemaMemo:
                 self._entries.move_to_end(key)
                 return found[0]  # type: ignore[no-any-return]
         value = compute()
-        size = len(text) + len(kind) + len(namespace) + sys.getsizeof(value) + 200  # and the entry itself
+        # the key keeps a copy of its own size: orjson's output holds its write buffer (4 KiB at least)
+        key = (kind, namespace, memoryview(text).tobytes())
+        # the entry: its tuples, its size, its place in the map (measured: tests/security/test_bounded_memory.py)
+        size = sum(sys.getsizeof(part) for part in (*key, value)) + _ENTRY_OVERHEAD_BYTES
         with self._lock:
             if key in self._entries:  # a twin request computed it meanwhile
                 return value

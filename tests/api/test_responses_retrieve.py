@@ -111,6 +111,45 @@ def test_a_deleted_response_is_gone_and_cannot_be_continued(live, client):
     assert create(live, input="Go on", previous_response_id=child["id"])["previous_response_id"] == child["id"]
 
 
+# A generation long enough that the stream is still running when the requests below reach the server.
+LONG_OUTPUT_TOKENS = 300
+
+
+def test_a_streaming_response_is_retrieved_in_progress_and_then_as_it_ended(live, client):
+    with client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=LONG_OUTPUT_TOKENS,
+                                 temperature=0, stream=True) as stream:
+        events = iter(stream)
+        created = next(events)
+        assert created.type == "response.created"
+        running = client.responses.retrieve(created.response.id)
+        assert (running.status, running.output) == ("in_progress", [])
+        items = client.responses.input_items.list(created.response.id)
+        assert [item.content[0].text for item in items.data] == ["Tell me a long story"]
+        final = list(events)[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(created.response.id).model_dump() == final.response.model_dump()
+
+
+def test_a_delete_while_the_response_streams_sticks(live, client):
+    """Round 3's finding: a DELETE sent while the response streamed answered 404, and the response
+    was kept when the stream ended (a GET then returned it): the client's delete was lost."""
+    with client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=LONG_OUTPUT_TOKENS,
+                                 temperature=0, stream=True) as stream:
+        events = iter(stream)
+        response_id = next(events).response.id
+        assert client.responses.delete(response_id) is None
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+        final = list(events)[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    assert final.response.store is False  # not kept: it says so
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response_id)
+    error = error_of(call(live, "POST", "/responses", json={"model": MODEL, "input": "More",
+                                                             "previous_response_id": response_id}), 400)
+    assert error["code"] == "previous_response_not_found"
+
+
 def test_the_sdk_deletes_a_response(live, client):
     response_id = create(live)["id"]
     assert client.responses.delete(response_id) is None

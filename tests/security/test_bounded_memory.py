@@ -8,11 +8,18 @@ a real server with two API keys and small budgets:
 - the grammar cache is bounded by the grammars' estimated bytes, not their count;
 - the tokenizer's remembered tool-group heads are bounded in bytes, each key to its share.
 
-Each bound is exported as a gauge on /metrics, read here as a client reads it."""
+Each bound is exported as a gauge on /metrics, read here as a client reads it.
+
+And what each store really holds, measured with tracemalloc (deterministic, unlike RSS on a shared
+machine) against its configured bound (issue 36, item 3): the Responses store (it kept parsed
+objects ~20 times their counted JSON), the schema memo, the pins and retentions; the metrics'
+label sets stay fixed whatever clients send."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gc
+import tracemalloc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -20,9 +27,18 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.api.responses.store import ResponseStore, Turn
+from gateway.api.responses.store import (
+    RESPONSE_OVERHEAD_BYTES,
+    TURN_OVERHEAD_BYTES,
+    ResponseStore,
+    StoredResponse,
+    Turn,
+)
 from gateway.edge.auth import tenant_salt
 from gateway.engine.constraints import grammar_bytes
+from gateway.kvcache import pins as pins_module
+from gateway.kvcache.pins import Pins
+from gateway.serving.schema_memo import SchemaMemo
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
 
@@ -72,17 +88,18 @@ def gauge(live: LiveServer, name: str, **labels: str) -> float:
 
 def retained_bytes(store: ResponseStore, tenant: str, response_ids: list[str]) -> int:
     """What `tenant`'s kept responses really hold, measured apart from the store's own count:
-    each kept response's body and input items, and every turn reachable from one, once."""
+    each kept response's body and input items, and every turn reachable from one, once, as JSON,
+    with the objects' allowance (its measure: test_the_responses_store_holds_what_it_counts)."""
     total, seen = 0, set()
     for response_id in response_ids:
         stored = store.get(tenant, response_id)
         if stored is None:
             continue
-        total += len(orjson.dumps(stored.body)) + len(orjson.dumps(stored.input_items))
+        total += len(orjson.dumps(stored.body)) + len(orjson.dumps(stored.input_items)) + RESPONSE_OVERHEAD_BYTES
         node: Turn | None = stored.turn
         while node is not None and id(node) not in seen:
             seen.add(id(node))
-            total += len(orjson.dumps(node.messages))
+            total += len(orjson.dumps(node.messages)) + TURN_OVERHEAD_BYTES
             node = node.parent
     return total
 
@@ -208,3 +225,107 @@ def test_remembered_tokenizer_heads_are_bounded_in_bytes_per_key(keyed):
     assert not any("tool_0_0" in text for text in remembered)
     assert tokens.num_bytes <= HEADS_BUDGET and tokens.max_bytes_per_namespace == HEADS_BUDGET // 4
     assert gauge(keyed, "toolkv_tokenizer_heads_bytes") == tokens.num_bytes
+
+
+# ---- what each store really holds (tracemalloc) ----------------------------------------------
+
+
+def traced_growth(fill: Callable[[], object]) -> tuple[int, object]:
+    """The bytes Python holds after `fill()` more than before (what it returns is kept alive)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = fill()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before, kept
+    finally:
+        tracemalloc.stop()
+
+
+def many_empty_lists(count: int) -> list[Any]:
+    """What a body echoing a schema of many `[]` parses into: 3 bytes of JSON, 64 bytes of list each."""
+    return list(orjson.loads(b"[" + b"[]," * (count - 1) + b"[]]"))
+
+
+def test_the_responses_store_holds_what_it_counts():
+    """17 MB counted held 330 MB: the store counted JSON bytes and kept parsed objects. Four keys
+    fill it well past its bound with bodies of many `[]`; what it holds stays within the bound."""
+    budget = 2 * 1024**2
+
+    def fill() -> ResponseStore:
+        store = ResponseStore(max_per_tenant=1000, max_bytes_per_tenant=budget // 2, max_bytes=budget)
+        for n in range(400):
+            body = {"id": f"resp_{n}", "object": "response", "output": many_empty_lists(3000)}
+            turn = Turn(f"resp_{n}", ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "[]"}))
+            store.put(f"tenant-{n % 4}", StoredResponse(turn, body, ({"id": f"msg_{n}", "type": "message"},)))
+        return store
+
+    held, store = traced_growth(fill)
+    assert isinstance(store, ResponseStore) and 0 < store.num_bytes <= budget
+    assert len(store) < 400  # the bound evicted
+    assert held <= budget, f"{held} bytes held for {store.num_bytes} counted"
+    kept = store.get("tenant-3", "resp_399")
+    assert kept is not None and len(kept.body["output"]) == 3000  # parsed again on read
+
+
+def test_many_small_responses_hold_no_more_than_counted():
+    """orjson's output keeps a 4 KiB buffer: small responses held 4 KiB per object, counted ~100."""
+    def fill() -> ResponseStore:
+        store = ResponseStore(max_per_tenant=10_000)
+        for n in range(3000):
+            store.put("t", StoredResponse(Turn(f"resp_{n}", ({"role": "user", "content": "hi"},)), {"id": n}))
+        return store
+
+    held, store = traced_growth(fill)
+    assert isinstance(store, ResponseStore) and held <= store.num_bytes
+
+
+def test_the_schema_memo_holds_no_more_than_its_bound():
+    budget = 1024**2
+
+    def fill() -> SchemaMemo:
+        memo = SchemaMemo(max_bytes=budget)
+        for n in range(20_000):  # small schemas: each key a few dozen bytes of JSON
+            memo.get("rule", f"tenant-{n % 3}", {"type": "object", "title": f"s{n}"}, lambda n=n: f"rule_{n}")
+        return memo
+
+    held, memo = traced_growth(fill)
+    assert isinstance(memo, SchemaMemo) and 0 < memo.num_bytes <= budget
+    assert held <= budget, f"{held} bytes held for {memo.num_bytes} counted"
+
+
+def test_a_flood_of_retentions_holds_a_bounded_number_of_records():
+    """Each request naming a new tool group with 24h retention added a record, in memory for good."""
+    bound = pins_module._MAX_RECORDS
+
+    def fill() -> Pins:
+        pins = Pins(None)
+        for n in range(bound * 3 // 2):
+            pins.retain(f"{n:064x}", 3600.0 + n, tenant=f"key-{n % 5}")
+        return pins
+
+    held, pins = traced_growth(fill)
+    assert isinstance(pins, Pins) and len(pins.retained()) <= bound + bound // 8
+    assert held <= (bound + bound // 8) * 400, f"{held} bytes for {len(pins.retained())} records"
+    assert f"{bound * 3 // 2 - 1:064x}" in pins.retained()  # the latest deadlines stay
+
+
+def series_count(live: LiveServer) -> int:
+    text = httpx.get(live.base_url + "/metrics", timeout=30).text
+    return sum(len(family.samples) for family in text_string_to_metric_families(text))
+
+
+def test_what_clients_send_never_adds_metric_label_sets(keyed):
+    """Model names, paths, keys, headers and bad bodies: none becomes a label value, so the number
+    of series stays what it was however many distinct values clients send."""
+    def burst(n: int) -> None:
+        for i in range(n):
+            post(keyed, "/chat/completions", KEY_A, {"model": f"model-{i}", "messages": [{"role": "user"}]})
+            httpx.get(f"{keyed.api_url}/nope-{i}", headers={"Authorization": f"Bearer wrong-{i}"}, timeout=30)
+            post(keyed, "/responses", f"bad-key-{i}", {"input": "hi"})
+
+    burst(3)  # every kind of failure seen once: its series exist
+    before = series_count(keyed)
+    burst(30)
+    assert series_count(keyed) == before

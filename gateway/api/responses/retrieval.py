@@ -1,7 +1,8 @@
 """Kept responses read back: `GET /v1/responses/{id}` (the response object as it was returned),
 `DELETE /v1/responses/{id}`, and `GET /v1/responses/{id}/input_items` (the response's own
 `input`, as OpenAI lists items: each with an id, newest first unless `order=asc`, `limit` per
-page, `after` an item id). Another API key's response, a deleted one and a `store: false` one
+page, `after` an item id). A response still being generated is read `in_progress`, and a DELETE of
+it sticks: it is not kept when it ends. Another API key's response, a deleted one and a `store: false` one
 are not found (404): a tenant never learns whether someone else's id exists."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ async def list_input_items(request: Request, response_id: str) -> JSONResponse:
 def _stored(request: Request, response_id: str) -> StoredResponse:
     tenant = request.app.state.keyring.tenant(request)  # 401 before anything is looked up
     store: ResponseStore = request.app.state.responses
-    stored = store.get(tenant.salt, response_id)
+    stored = store.find(tenant.salt, response_id)  # kept, or still running (`in_progress`)
     if stored is None:
         raise _not_found(response_id)
     return stored

@@ -2,7 +2,8 @@
 amounts to (responses_protocol.py) through the chat service, so tool groups, conversation reuse,
 keys, quotas and the cache headers work exactly as for chat. `previous_response_id` continues a
 response kept in this tenant's ResponseStore (`store: false` keeps nothing), which
-responses_retrieval.py reads back."""
+responses_retrieval.py reads back. A response exists from its first event: while it runs, GET reads
+it `in_progress` and DELETE forgets it for good (it is not kept when it ends)."""
 
 from __future__ import annotations
 
@@ -137,11 +138,15 @@ def _check_room(store: ResponseStore, parent: Turn | None, added: int) -> None:
 
 
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
-    with named_by(responses_param):  # a schema found too large while generating, say
-        answer = await runtime.service.complete(planned.prepared)
-    body = planned.shape.body(status_of(answer.finish_reason), output_of(answer), usage_of(answer.usage))
-    _keep(store, planned, body)
-    return body
+    _begin(store, planned)
+    try:
+        with named_by(responses_param):  # a schema found too large while generating, say
+            answer = await runtime.service.complete(planned.prepared)
+        body = planned.shape.body(status_of(answer.finish_reason), output_of(answer), usage_of(answer.usage))
+        _keep(store, planned, body)
+        return body
+    finally:
+        store.end(planned.tenant, planned.shape.response_id)
 
 
 async def _streamed(request: Request, runtime: Runtime, planned: Planned, store: ResponseStore,
@@ -159,6 +164,7 @@ async def _streamed(request: Request, runtime: Runtime, planned: Planned, store:
 async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: ResponseStore,
                   metrics: Any) -> AsyncIterator[dict[str, str]]:
     stream = ResponseEvents(planned.shape)
+    _begin(store, planned)  # before `response.created` is sent: a GET or DELETE may follow it at once
     try:
         async for answer_event in answer:
             if isinstance(answer_event, Ended):
@@ -178,6 +184,16 @@ async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: R
         events, _ = stream.fail(GenerationFailed("internal server error", code="server_error"))
         for event in events:
             yield _sse(event)
+    finally:  # kept, failed, or the client hung up: it is no longer running
+        store.end(planned.tenant, planned.shape.response_id)
+
+
+def _begin(store: ResponseStore, planned: Planned) -> None:
+    """The response exists from its first event: GET reads it `in_progress`, DELETE forgets it
+    for good (`ResponseStore.begin`)."""
+    if planned.req.store is not False:
+        store.begin(planned.tenant, planned.shape.response_id, planned.shape.body("in_progress", [], None),
+                    planned.items)
 
 
 def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:

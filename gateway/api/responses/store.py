@@ -8,6 +8,13 @@ A turn keeps its parent turn alive, so a conversation stays whole after older re
 index (their bodies go; the messages stay). Instructions are not stored: OpenAI does not carry
 them over either.
 
+What is kept is serialized JSON (orjson bytes), parsed again on each read: the count is what is
+held. Parsed objects took about 20 times the bytes of their JSON (a body of many `[]`: 17 MB
+counted, 330 MB resident), so a budget of parsed objects bounded nothing. Each response and each
+turn is charged its JSON's bytes plus a fixed allowance for the objects holding them
+(`RESPONSE_OVERHEAD_BYTES`, `TURN_OVERHEAD_BYTES`, measured with tracemalloc:
+tests/security/test_bounded_memory.py).
+
 Bytes are counted as what is really kept: a tenant is charged for each indexed response's own
 body and input items, and once for every turn still alive, whether an indexed response or a
 child's link keeps it so (turns are shared, reference-counted: a parent that 60 continuations pin
@@ -17,7 +24,11 @@ responses frees their turns as no other kept response needs them. A response who
 whole chain of turns exceed the budget is never kept (the route refuses such a continuation up
 front, `fits`). All tenants together are bounded too (`max_bytes`): past it, the tenant holding
 the most bytes loses its least recently used response, so one tenant cannot evict another that
-stays within its fair share."""
+stays within its fair share.
+
+A response exists from its first event: `begin` makes it readable (status `in_progress`) and
+deletable while it is generated; a delete then sticks: `put` keeps nothing for it when it ends.
+In-progress responses are not charged: there is one per request running, which admission bounds."""
 
 from __future__ import annotations
 
@@ -28,19 +39,38 @@ from typing import Any
 
 import orjson
 
+RESPONSE_OVERHEAD_BYTES = 640  # its record, two bytes objects, its id and its places in the shelf's maps
+TURN_OVERHEAD_BYTES = 320  # the turn object, its bytes object and its place among the live turns
 
-@dataclass(frozen=True, slots=True)
+
+def _exact(data: bytes) -> bytes:
+    """`data` in a bytes object of its own size: orjson's output keeps its write buffer (4 KiB at
+    least), which a store of small responses would hold many times over."""
+    return memoryview(data).tobytes()
+
+
 class Turn:
-    response_id: str
-    messages: tuple[dict[str, Any], ...]  # chat messages: this response's input, then its output
-    parent: Turn | None = None
-    size: int = field(init=False, compare=False, repr=False)  # its messages, as serialized JSON
-    chain_bytes: int = field(init=False, compare=False, repr=False)  # its size and every ancestor's
+    """One response's messages (serialized), linked to the turn it continued."""
 
-    def __post_init__(self) -> None:
-        size = len(orjson.dumps(self.messages))
-        object.__setattr__(self, "size", size)
-        object.__setattr__(self, "chain_bytes", size + (self.parent.chain_bytes if self.parent else 0))
+    __slots__ = ("chain_bytes", "messages_json", "parent", "response_id", "size")
+    response_id: str
+    messages_json: bytes
+    parent: Turn | None
+    size: int
+    chain_bytes: int
+
+    def __init__(self, response_id: str, messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+                 parent: Turn | None = None) -> None:
+        self.response_id = response_id
+        self.messages_json = _exact(orjson.dumps(messages))
+        self.parent = parent
+        self.size = len(self.messages_json) + TURN_OVERHEAD_BYTES  # what it holds
+        self.chain_bytes = self.size + (parent.chain_bytes if parent else 0)  # its size and every ancestor's
+
+    @property
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        """Its chat messages (this response's input, then its output), parsed anew."""
+        return tuple(orjson.loads(self.messages_json))
 
     def conversation(self) -> list[dict[str, Any]]:
         """Every message of the conversation up to and including this turn, oldest first."""
@@ -52,15 +82,38 @@ class Turn:
         return [message for turn in reversed(chain) for message in turn.messages]
 
 
-@dataclass(frozen=True, slots=True)
 class StoredResponse:
+    """A kept response: its turn, the response object as it was returned and its input as listed
+    items, both serialized."""
+
+    __slots__ = ("body_json", "items_json", "turn")
     turn: Turn
-    body: dict[str, Any] = field(default_factory=dict)  # the response object, as it was returned
-    input_items: tuple[dict[str, Any], ...] = ()  # its `input` as items with ids, in order
+    body_json: bytes
+    items_json: bytes
+
+    def __init__(self, turn: Turn, body: dict[str, Any] | None = None,
+                 input_items: tuple[dict[str, Any], ...] = ()) -> None:
+        self.turn = turn
+        self.body_json = _exact(orjson.dumps(body if body is not None else {}))
+        self.items_json = _exact(orjson.dumps(input_items))
 
     @property
     def response_id(self) -> str:
         return self.turn.response_id
+
+    @property
+    def body(self) -> dict[str, Any]:
+        parsed: dict[str, Any] = orjson.loads(self.body_json)
+        return parsed
+
+    @property
+    def input_items(self) -> tuple[dict[str, Any], ...]:
+        return tuple(orjson.loads(self.items_json))
+
+    @property
+    def own_bytes(self) -> int:
+        """Its body and input items, as held (its turn is charged apart: turns are shared)."""
+        return len(self.body_json) + len(self.items_json) + RESPONSE_OVERHEAD_BYTES
 
 
 @dataclass(slots=True)
@@ -83,11 +136,13 @@ class ResponseStore:
         self.max_bytes = max_bytes  # all tenants together; None: no bound beyond the tenants' own
         self._shelves: dict[str, _Shelf] = {}
         self._bytes = 0
+        self._running: dict[tuple[str, str], StoredResponse] = {}  # begun, not yet ended
+        self._deleted: set[tuple[str, str]] = set()  # deleted while running: never kept
         self._lock = threading.Lock()
 
     @property
     def num_bytes(self) -> int:
-        """What every tenant's kept responses and live turns weigh, as serialized JSON."""
+        """What every tenant's kept responses and live turns hold (their JSON and objects)."""
         return self._bytes
 
     def tenant_bytes(self, tenant: str) -> int:
@@ -110,6 +165,28 @@ class ResponseStore:
         budget = self.budget
         return budget is None or added + (parent.chain_bytes if parent is not None else 0) <= budget
 
+    # ---- responses being generated -----------------------------------------------------------
+
+    def begin(self, tenant: str, response_id: str, body: dict[str, Any],
+              input_items: tuple[dict[str, Any], ...]) -> None:
+        """The response exists from now on (its `in_progress` body): readable and deletable."""
+        with self._lock:
+            self._running[(tenant, response_id)] = StoredResponse(Turn(response_id, ()), body, input_items)
+
+    def end(self, tenant: str, response_id: str) -> None:
+        """The response's generation is over, kept (`put`) or not (a failure, a hang-up)."""
+        with self._lock:
+            self._running.pop((tenant, response_id), None)
+            self._deleted.discard((tenant, response_id))
+
+    def find(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """What GET reads: the kept response, or the one still running (its `in_progress` body)."""
+        with self._lock:
+            running = self._running.get((tenant, response_id))
+        return running if running is not None else self.get(tenant, response_id)
+
+    # ---- kept responses ------------------------------------------------------------------------
+
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """`tenant`'s response `response_id` (now the most recently used), or None."""
         with self._lock:
@@ -122,9 +199,15 @@ class ResponseStore:
     def put(self, tenant: str, stored: StoredResponse) -> bool:
         """Keep `stored` for `tenant`, dropping least recently used responses past the bounds;
         False (nothing kept, nothing evicted) when it and its chain alone exceed the budget."""
+        with self._lock:
+            key = (tenant, stored.response_id)
+            self._running.pop(key, None)
+            if key in self._deleted:  # deleted while it ran: the client's delete sticks
+                self._deleted.discard(key)
+                return False
         if self.max_per_tenant == 0:
             return False
-        own = len(orjson.dumps(stored.body)) + len(orjson.dumps(stored.input_items))
+        own = stored.own_bytes
         budget = self.budget
         if budget is not None and own + stored.turn.chain_bytes > budget:
             return False  # kept nowhere, as with `store: false`
@@ -146,8 +229,12 @@ class ResponseStore:
 
     def delete(self, tenant: str, response_id: str) -> bool:
         """Forget `tenant`'s response `response_id`; False when there was none. Responses that
-        continued it keep their conversation (their turns hold its messages)."""
+        continued it keep their conversation (their turns hold its messages). One still running
+        is forgotten now and never kept."""
         with self._lock:
+            if self._running.pop((tenant, response_id), None) is not None:
+                self._deleted.add((tenant, response_id))  # still running: never kept when it ends
+                return True
             shelf = self._shelves.get(tenant)
             if shelf is None or response_id not in shelf.index:
                 return False
@@ -205,5 +292,5 @@ class ResponseStore:
 
 
 def stored_bytes(stored: StoredResponse) -> int:
-    """What a stored response weighs alone, as serialized JSON (its body, its input items, its turn)."""
-    return sum(len(orjson.dumps(part)) for part in (stored.body, stored.input_items, stored.turn.messages))
+    """What a stored response is charged alone: its body, its input items and its turn, as held."""
+    return stored.own_bytes + stored.turn.size
