@@ -128,6 +128,9 @@ class Metrics:
         self.constraint_seconds = Counter("toolkv_constraint_seconds_total",
                                           "Time the grammar took for those tokens (masks and following them)",
                                           registry=r)
+        self.forced_tokens = Counter("toolkv_forced_tokens_total",
+                                     "Of those, tokens the grammar forced: fed to the model as one chunk, not "
+                                     "a decode step each", registry=r)
         self.decode_steps = Counter("toolkv_decode_steps_total", "Batched decode forwards", registry=r)
         self.decode_seconds = Counter("toolkv_decode_seconds_total",
                                       "Time of the batched decode forwards (the model, one token per sequence)",
@@ -161,9 +164,11 @@ class Metrics:
                 "turn_hits": stats.conversation_hits_tokens_total,
                 "turn_evictions": stats.conversation_evictions_total,
                 "constrained": stats.constrained_tokens_total, "constraint_s": stats.constraint_seconds_total,
+                "forced": stats.forced_tokens_total,
                 "decode_steps": stats.decode_steps_total, "decode_s": stats.decode_seconds_total})
             self.constrained_tokens.inc(grown["constrained"])
             self.constraint_seconds.inc(grown["constraint_s"])
+            self.forced_tokens.inc(grown["forced"])
             self.decode_steps.inc(grown["decode_steps"])
             self.decode_seconds.inc(grown["decode_s"])
             self.conversation_hits.inc(grown["turn_hits"])

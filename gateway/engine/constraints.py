@@ -21,12 +21,11 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
 GRAMMAR_CACHE_BYTES = 256 * 1024**2  # compiled grammars kept, estimated (a group's tool grammar serves every request)
 # A compiled grammar's memory, estimated from its Lark text: measured with llguidance 1.9 on the
 # SmolLM2 vocabulary (RSS grown over 5-20 distinct grammars kept), 2-37 bytes per character of
@@ -222,14 +221,22 @@ def _first_line(matcher: Any) -> str:
 
 @dataclass(slots=True)
 class Constraint:
-    """One sequence's grammar state: masks its logits, then follows the token it sampled.
+    """One sequence's grammar state: the mask of its next token (`prepare`, on the CPU, while the
+    device runs the step; applied on the device by sampling.device_picks as this packed bitmask),
+    the tokens it forces next (`forced`), and following the tokens the sequence takes (`accept`).
 
     Closing: from its `closing_from`-th generated token on (the last `constrained_reserve_tokens`
     before `max_tokens`, at most a quarter of them), it keeps only the allowed tokens that end
     something, when there are any (`Grammars.closers`: the output, a string, a container, a
     value); the model still ranks them. A call or answer the model would have run past `max_tokens` (the default model
     repeats itself inside strings) ends valid instead of being cut off; when the reserve is not
-    enough, it is cut as OpenAI cuts it (finish `length`)."""
+    enough, it is cut as OpenAI cuts it (finish `length`).
+
+    Forced tokens: where the grammar allows one continuation only (a call's opening, a tool name
+    once its prefix is unique, a required key), llguidance's fast-forward tokens spell it in the
+    tokenizer's canonical tokens. They are the sequence's next tokens whatever the logits say: the
+    engine feeds them as one chunk (core.py); token by token (`queue`), each one's mask is that
+    token alone, so both ways write the same tokens."""
 
     matcher: Any
     vocab_size: int
@@ -237,7 +244,9 @@ class Constraint:
     closing_from: int | None = None
     closers: tuple[torch.Tensor, ...] = ()
     generated: int = 0
-    _bitmask: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None  # the next token's mask (int32 words, bit j of word w: token 32w + j)
+    queue: list[int] = field(default_factory=list)  # forced tokens to take one at a time, in order
+    _words: torch.Tensor | None = None
     _ready: bool = False  # the bitmask is the grammar's for the next token (prepare ran since the last token)
 
     def consume(self, tokens: list[int]) -> None:
@@ -246,55 +255,59 @@ class Constraint:
             raise self._violation("the grammar refused the forced tokens")
 
     def prepare(self) -> None:
-        """Compute which tokens the grammar allows next (the CPU's part of masking). The engine
-        calls it after launching a step's forward, so on a GPU it runs while the device computes
-        the logits; `mask` then only applies it."""
+        """Compute which tokens the grammar allows next (the CPU's part of masking) into `bitmask`.
+        The engine calls it after launching a step's forward, so on a GPU it runs while the device
+        computes the logits."""
+        if self._ready:
+            return
+        if self.queue:
+            self.bitmask = only(self.queue[0], self.vocab_size)
+            self._ready = True
+            return
         import llguidance.torch as llt  # lazy: llguidance's torch helpers load with the first grammar
 
-        if self._bitmask is None:
-            self._bitmask = llt.allocate_token_bitmask(1, self.vocab_size)
-        llt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        if self._words is None:
+            self._words = llt.allocate_token_bitmask(1, self.vocab_size)
+        llt.fill_next_token_bitmask(self.matcher, self._words, 0)
         if self.matcher.is_error():
             raise self._violation("the grammar could not compute the next token's mask")
+        words = self._words[0].clone()  # a mask staged for the device stays as it was
+        if self.closing_from is not None and self.generated >= self.closing_from:
+            words = self._closing(words)
+        self.bitmask = words
         self._ready = True
+
+    def allowed(self) -> torch.Tensor:
+        """The next token's allowed set, a bool mask over the vocabulary (computed if need be)."""
+        self.prepare()
+        assert self.bitmask is not None
+        return unpack(self.bitmask, self.vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` ([vocab]) with every token the grammar does not allow next at -inf (a copy)."""
-        if not self._ready:
-            self.prepare()
-        self._ready = False
-        masked = self._apply(logits.float().cpu().reshape(1, -1).clone())
-        if not torch.isfinite(masked.max()):  # the model ruled out every allowed token (-inf logits):
-            masked = self._apply(torch.zeros_like(masked))  # the grammar's choice, not an arbitrary one
-        if self.closing_from is not None and self.generated >= self.closing_from:
-            masked = self._closing(masked)
-        return masked[0]
+        return logits.float().masked_fill(~self.allowed(), float("-inf"))
 
-    def _closing(self, masked: torch.Tensor) -> torch.Tensor:
-        allowed = torch.isfinite(masked[0, : self.vocab_size])
+    def _closing(self, words: torch.Tensor) -> torch.Tensor:
+        allowed = unpack(words, self.vocab_size)
         for tier in self.closers:
             pick = allowed & tier
             if bool(pick.any()):
-                out = torch.full_like(masked, float("-inf"))
-                out[0, : self.vocab_size] = torch.where(pick, masked[0, : self.vocab_size], out[0, : self.vocab_size])
-                return out
-        return masked
+                return pack(pick)
+        return words
 
-    def _apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Set every token the bitmask forbids to -inf, with plain torch ops: llguidance's own
-        `apply_token_bitmask_inplace` is a `torch.compile` function whose first call compiled for
-        72-83 s (the first constrained request after start, on a GPU and on this CPU alike)."""
-        assert self._bitmask is not None
-        words = self._bitmask[0]
-        allowed = ((words.unsqueeze(1) >> _BIT_SHIFTS) & 1).bool().reshape(-1)[: self.vocab_size]
-        logits[0, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
-        if logits.shape[1] > allowed.shape[0]:
-            logits[:, allowed.shape[0]:] = float("-inf")
-        return logits
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (none when it allows a choice, or only the end)."""
+        if self.queue:
+            return []
+        return [int(t) for t in self.matcher.compute_ff_tokens()]
 
     def accept(self, token: int) -> None:
         self._ready = False
         self.generated += 1
+        if self.queue:
+            expected = self.queue.pop(0)
+            if token != expected:
+                raise ConstraintViolation(f"the grammar forced token {expected}, not {token}")
         if not self.matcher.consume_token(token):
             raise self._violation(f"the grammar refused token {token}")
 
@@ -310,3 +323,25 @@ class Constraint:
     def finished(self) -> bool:
         """Nothing but the end of the output is allowed any more."""
         return bool(self.matcher.is_stopped())
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A packed bitmask (int32 words) as a bool mask over `vocab_size` tokens."""
+    return ((words.unsqueeze(-1) >> _SHIFTS) & 1).bool().reshape(-1)[:vocab_size]
+
+
+def pack(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask over the vocabulary as int32 words (bit j of word w: token 32w + j)."""
+    bits = torch.nn.functional.pad(allowed.long(), (0, -allowed.shape[0] % 32)).reshape(-1, 32)
+    words = (bits << _SHIFTS.long()).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def only(token: int, vocab_size: int) -> torch.Tensor:
+    """The bitmask that allows `token` alone."""
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    allowed[token] = True
+    return pack(allowed)

@@ -46,11 +46,11 @@ from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner
 from gateway.engine.outputs import OutputProcessor
-from gateway.engine.sampling import GreedyPicks, SamplingParams, device_picks
+from gateway.engine.sampling import Picks, SamplingParams, device_picks
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.staging import staged
-from gateway.engine.stats import EngineStats, StepLog, StepRecord
+from gateway.engine.stats import DeviceSpan, EngineStats, StepLog, StepRecord
 from gateway.engine.warmup import warm_up
 from gateway.kvcache.block_pool import BlockPool
 from gateway.kvcache.entry import CacheEntry
@@ -180,7 +180,7 @@ class Engine:
                            conversation_hits_tokens_total=cache.conversation_hit_tokens,
                            conversation_evictions_total=conversations.evictions,
                            constrained_tokens_total=self.constrained_tokens,
-                           constraint_seconds_total=self.constraint_s,
+                           constraint_seconds_total=self.constraint_s, forced_tokens_total=self.forced_tokens,
                            decode_steps_total=self.decode_steps, decode_seconds_total=self.decode_s,
                            memory=self.runner.memory())
 
@@ -199,6 +199,20 @@ class Engine:
     def constrained_tokens(self) -> int:
         """Tokens sampled under a grammar."""
         return self._outputs.constrained_tokens
+
+    @property
+    def forced_tokens(self) -> int:
+        """Tokens a grammar forced (taken without a choice)."""
+        return self._outputs.forced_tokens
+
+    @property
+    def chunk_forced(self) -> bool:
+        """Whether forced tokens go to the model as one chunk (True, the default) or a step each."""
+        return self._outputs.chunk_forced
+
+    @chunk_forced.setter
+    def chunk_forced(self, on: bool) -> None:
+        self._outputs.chunk_forced = on
 
     @property
     def constraint_s(self) -> float:
@@ -238,72 +252,103 @@ class Engine:
             self._outputs.retire(seq)
 
     def _step(self, plan: StepPlan) -> None:
-        """One forward over the decode rows (first: the batch-invariant split wants them there) and
-        the prompt chunks; chunks are handled first, so a new request's first token waits for no
-        sampling of the others."""
-        if (self.overlap and not plan.prefill and len(plan.decode) == len(self._running)
-                and all(seq.sampler.plain or seq.sampler.on_device for seq in plan.decode)):
+        """One forward over the decode rows (first: the batch-invariant split wants them there),
+        then the prompt chunks; every row to sample is chosen on the device at once, and the
+        prompts' first tokens are taken before the decode rows' tokens."""
+        if self.overlap and self._may_start_ahead(plan):
             self._decode_ahead(plan.decode)
             return
         started = time.perf_counter()
-        seqs = [*plan.decode, *(seq for seq, _, _ in plan.prefill)]
-        tokens = [[seq.next_token] for seq in plan.decode] + [seq.prompt[a:b] for seq, a, b in plan.prefill]
+        step = DeviceSpan(self.device)  # on CUDA the device's time, not the launches' (the step log)
+        prefill = [seq for seq, _, _ in plan.prefill]
+        decode = sorted(plan.decode, key=lambda seq: len(seq.pending) > 1)  # a forced chunk after the rows of one token
+        seqs = [*decode, *prefill]
+        tokens = [list(seq.pending) for seq in decode] + [seq.prompt[a:b] for seq, a, b in plan.prefill]
         try:
             rows = [seq.row(len(t)) for seq, t in zip(seqs, tokens, strict=True)]
-            logits = self.runner.forward(tokens, rows)  # type: ignore[arg-type]
+            forward = DeviceSpan(self.device)
+            logits = self.runner.forward(tokens, rows)
+            forward.end()
         except Exception as exc:
             for seq in seqs:
                 self._outputs.fail(seq, exc)
             return
+        finishing = {id(seq) for seq, _, end in plan.prefill if seq.phase is Phase.PROMPT and end == len(seq.prompt)}
         # While the device computes (kernel launches return at once on CUDA), the CPU computes the
         # grammar masks of the rows sampled from these logits.
-        sampled = [*plan.decode, *(seq for seq, _, end in plan.prefill
-                                   if seq.phase is Phase.PROMPT and end == len(seq.prompt))]
-        for seq in sampled:
-            if seq.sampler.constraint is not None:
-                seq.sampler.prepare_mask()
-        decoded = len(plan.decode)
-        for index, (seq, _, end) in enumerate(plan.prefill):
-            self._outputs.chunk_done(seq, end, logits[decoded + index], started)
+        sampled = self._outputs.prepare_masks([s for s in seqs if s.phase is Phase.DECODE or id(s) in finishing])
+        index = {id(seq): i for i, seq in enumerate(seqs)}
+        picks = None
+        if sampled:
+            at = staged([index[id(seq)] for seq in sampled], torch.long, logits.device)
+            picks = device_picks(logits.index_select(0, at), [seq.sampler for seq in sampled])
+        for seq, _, end in plan.prefill:
+            self._outputs.chunk_done(seq, end, forward)
+        read = dict(zip((id(seq) for seq in sampled), picks.read() if picks is not None else (), strict=True))
+        for seq in prefill:
+            if id(seq) in finishing and id(seq) in read:
+                self._outputs.prompt_done(seq, read[id(seq)])
+        for seq in decode:
+            if id(seq) in read:
+                self._outputs.take_picked(seq, read[id(seq)])
         if plan.decode:
-            self._outputs.decode(plan.decode, logits[:decoded])
             self.decode_s += time.perf_counter() - started
             self.decode_steps += 1
         self.num_steps += 1
-        self._steps.add(StepRecord(len(plan.decode) + len(plan.prefill), plan.num_tokens,
-                                   time.perf_counter() - started))
+        self._steps.add_span(len(seqs), sum(len(t) for t in tokens), step.end())
 
     def _decode_ahead(self, seqs: list[Sequence]) -> None:
-        """Decode steps of rows chosen on the device (plain greedy or plain sampled) back to back,
-        each launched before the tokens of the one before it are read: its token ids are that
-        step's picks (`device_picks`), copied on the device, so the host's reading, detokenizing
-        and streaming overlap the next forward (on CUDA, where a launch returns at once). A row's
-        inputs are those `_step` would give it; a step launched ahead still holds the rows that
-        end on the token being read, so its batch can be larger than `_step`'s, which changes
-        rounding only where batches do (not with `batch_invariant`; never for a request alone).
+        """Decode steps back to back, each launched before the tokens of the one before it are
+        read: its token ids are that step's picks (`device_picks`), copied on the device, so the
+        host's reading, detokenizing, streaming and grammar work overlap the next forward (on CUDA,
+        where a launch returns at once). A row's inputs are those `_step` would give it; a step
+        launched ahead still holds the rows that end on the token being read, so its batch can be
+        larger than `_step`'s, which changes rounding only where batches do (not with
+        `batch_invariant`; never for a request alone). Penalties count each pick on the device,
+        so they need no read; logprobs and `logit_bias` are per-row tensors.
 
-        The run starts from a step of every running sequence (`_step` checks), and a step is
-        launched ahead only while nothing else waits that could run (`_may_run_ahead`) and no row
-        reaches `max_tokens` with the token being read; so the run ends within one step of any of
-        these, and `_run` takes over. A row that stops on the token being read (end of sequence, a
-        stop string, non-finite logits) has one step computed past its end: its KV goes to the next
-        slot of its own run (reserved for `max_tokens`), which nothing reads, and its logits are
-        dropped. A forward that fails raises to `_run`, which fails every running row: all of
-        them are in the run."""
-        flight: tuple[list[Sequence], GreedyPicks] | None = (seqs, self._launch(seqs, None))
+        A row with a grammar runs ahead on a guess, checked before anything uses it: the mask of
+        the step launched ahead depends on the token not read yet, so that step is sampled with
+        the mask of the step being read (vLLM does not run grammar rows ahead at all; a speculative
+        mask checked afterwards keeps the overlap where grammars spend most tokens: free text
+        under `tool_choice: auto`, whose mask is the same token after token, and long strings).
+        Once the token is read and the grammar follows it, the row's real mask is computed; if it
+        equals the guess and nothing is forced, the pick was made exactly as `_step` makes it. If
+        not, the row's pick of the step in flight is dropped (its penalty count taken back, its
+        random stream rewound: `Sampler.mark`), the run ends, and `_step` feeds the token again
+        with the tokens forced after it, rewriting the same KV slot: what the sequence writes is
+        what it writes without steps launched ahead.
+
+        The run starts from a step of every running sequence, one token each (`_may_start_ahead`),
+        and a step is launched ahead only while nothing else waits that could run
+        (`_may_run_ahead`), no guess failed, and no row reaches `max_tokens` with the token being
+        read; so the run ends within one step of any of these, and `_run` takes over. A row that
+        stops on the token being read (end of sequence, a stop string, non-finite logits) has one
+        step computed past its end: its KV goes to the next slot of its own run (reserved for
+        `max_tokens`), which nothing reads, and its logits are dropped. A forward that fails raises
+        to `_run`, which fails every running row: all of them are in the run."""
+        seqs = self._outputs.prepare_masks(seqs)
+        if not seqs:
+            return
+        flight: tuple[list[Sequence], Picks] | None = (seqs, self._launch(seqs, None))
+        wrong: set[int] = set()  # rows whose pick in flight was made on a wrong guess
         last_read = time.perf_counter()
         while flight is not None:
             seqs, picks = flight
             running = {id(seq) for seq in self._running}
             alive = [i for i, seq in enumerate(seqs) if id(seq) in running]
             ahead = None
-            if self._may_run_ahead([seqs[i] for i in alive]):
+            if not wrong and self._may_run_ahead([seqs[i] for i in alive]):
                 ahead_seqs = [seqs[i] for i in alive]
                 ahead = (ahead_seqs, self._launch(ahead_seqs, picks.best, alive))
                 self.ahead_steps += 1
             read = picks.read()
             for i in alive:
-                self._outputs.take_picked(seqs[i], *read[i])  # a row that fails fails alone
+                if id(seqs[i]) in wrong:
+                    seqs[i].sampler.dropped(read[i].token)
+                else:
+                    self._outputs.take_picked(seqs[i], read[i])  # a row that fails fails alone
+            wrong = self._wrong_guesses(ahead[0]) if ahead is not None else set()
             now = time.perf_counter()
             self.decode_s += now - last_read
             self.decode_steps += 1
@@ -312,27 +357,49 @@ class Engine:
             last_read = now
             flight = ahead
 
+    def _wrong_guesses(self, seqs: list[Sequence]) -> set[int]:
+        """The rows of the step in flight whose grammar mask was guessed wrong (see
+        `_decode_ahead`): computed now that the token before it is read."""
+        running = {id(seq) for seq in self._running}
+        guessed = [seq for seq in seqs if seq.sampler.guess is not None and id(seq) in running]
+        wrong = {id(seq) for seq in guessed if len(seq.pending) != 1}
+        for seq in self._outputs.prepare_masks([seq for seq in guessed if id(seq) not in wrong]):
+            constraint, guess = seq.sampler.constraint, seq.sampler.guess
+            assert constraint is not None and constraint.bitmask is not None and guess is not None
+            if not torch.equal(constraint.bitmask, guess):
+                wrong.add(id(seq))
+        return wrong
+
+    def _may_start_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan` may start a run of decode steps launched ahead: a step of every running
+        sequence's decode row, one token each (not a chunk of forced tokens)."""
+        return not plan.prefill and len(plan.decode) == len(self._running) and all(
+            len(seq.pending) == 1 for seq in plan.decode)
+
     def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step may be launched before this one is read: nothing waits that
-        could run (jobs waiting for a full batch cannot: a row must end first, and then this is
-        false), no client is gone, and no row ends by `max_tokens` with the token being read."""
-        waiting = self._intake.depth
-        if waiting and (len(self._running) < self.max_batch or self._intake.tasks_waiting):
+        could run (a held job of a tenant at its share of a full batch cannot: a row must end
+        first; intake.py `waiting_turn`), no client is gone, and no row ends by `max_tokens` with
+        the token being read."""
+        if self._intake.waiting_turn(self._running, self.max_batch):
             return False
         return bool(seqs) and all(
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
 
-    def _launch(self, seqs: list[Sequence], after: torch.Tensor | None, rows: list[int] | None = None) -> GreedyPicks:
+    def _launch(self, seqs: list[Sequence], after: torch.Tensor | None, rows: list[int] | None = None) -> Picks:
         """One decode step of `seqs`: their next tokens from the host, or the picks `after` of the
-        step before (at its `rows`), one token past what the host has read."""
-        tokens: list[list[int | None]] = [[seq.next_token] for seq in seqs]  # `ids`, when given, replace them
+        step before (at its `rows`), one token past what the host has read; a grammar row launched
+        ahead guesses its mask (`_decode_ahead`)."""
+        tokens = [list(seq.pending) for seq in seqs]  # `ids`, when given, replace them
         ids = after
         if after is not None and rows is not None and len(rows) < after.shape[0]:
             # rows that ended on the step being read are left out (staged: no wait for the step in flight)
             ids = after.index_select(0, staged(rows, torch.long, after.device))
         rows_kv = [seq.row(1, ahead=int(after is not None)) for seq in seqs]
-        return device_picks(self.runner.forward(tokens, rows_kv, ids),  # type: ignore[arg-type]
-                            [seq.sampler for seq in seqs])
+        logits = self.runner.forward(tokens, rows_kv, ids)
+        for seq in seqs:
+            seq.sampler.mark(logits.device, guessed=after is not None)
+        return device_picks(logits, [seq.sampler for seq in seqs])
 
     # ---- admission ---------------------------------------------------------------------------
 

@@ -78,10 +78,6 @@ class Job:
     stop_before: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # perf_counter at submit
-    # Set by a streaming consumer once the first token is on the wire; the engine waits for it
-    # (at most outputs.FIRST_TOKEN_HANDOFF_S) before the next forward, so the event loop has the CPU and
-    # the GIL while it sends the first token. None: nobody waits on the first token.
-    first_token_sent: threading.Event | None = None
     # A warm-up: compute and store the group (the whole prompt) and generate nothing; the future
     # gets the entry and whether it was cached already.
     warm: Future[Any] | None = None

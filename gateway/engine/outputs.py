@@ -1,7 +1,8 @@
 """What a step's output does to each sequence it computed (engine thread only): a group's last
-chunk stores the group, a prompt's last chunk sends `Prefilled` and samples the first token, a
-decode row samples the next one (greedy or temperature + top-p with nothing else to apply: on the
-device, all such rows at once, `device_picks`); each token's text is emitted, and a sequence that
+chunk stores the group, a prompt's last chunk sends `Prefilled` and takes the first token, a
+decode row takes the next one (every row of a step is chosen on the device at once,
+sampling.device_picks; the grammar masks come from `prepare_masks`); the grammar follows each
+token, each token's text is emitted, and a sequence that
 is done (end of sequence, a stop string, `max_tokens`) or fails is retired: out of the running
 batch, its blocks back to the pool, before its client hears it is done.
 
@@ -18,17 +19,14 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import torch
-
 from gateway.engine.cache_manager import KVCacheManager
-from gateway.engine.constraints import GrammarLimit
+from gateway.engine.constraints import Constraint, GrammarLimit
 from gateway.engine.events import CutOff, Failed, Finished, Job, Prefilled
-from gateway.engine.sampling import NonFiniteLogits, all_finite, on_host, picks_of
+from gateway.engine.sampling import NonFiniteLogits, Pick, TokenLogprob
 from gateway.engine.sequence import Phase, Sequence
+from gateway.engine.stats import DeviceSpan
 
 log = logging.getLogger("gateway.engine.core")  # the engine's logger, as before this module was split off
-
-FIRST_TOKEN_HANDOFF_S = 0.05
 
 
 class OutputProcessor:
@@ -40,46 +38,56 @@ class OutputProcessor:
         self._restart = restart  # admit a job again, its group computed privately (Engine._readmit)
         self.constrained_tokens = 0
         self.constraint_s = 0.0
+        self.forced_tokens = 0  # tokens a grammar forced (taken without a choice)
+        self.chunk_forced = True  # forced tokens go to the model as one chunk (False: a step each)
 
     # ---- a step's rows -----------------------------------------------------------------------
 
-    def decode(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each decode row: the plain greedy and plain sampled ones on the device, all at
-        once; the others per sequence, from one copy of their rows."""
-        samplers = [seq.sampler for seq in seqs]
-        picked = picks_of(logits, samplers, [i for i, s in enumerate(samplers) if s.plain or s.on_device])
-        others = [i for i in range(len(seqs)) if i not in picked]
-        host = dict(zip(others, on_host(logits[others]) if others else (), strict=True))
-        for index, seq in enumerate(seqs):
-            if index in picked:
-                self.take_picked(seq, *picked[index])
-                continue
-            try:
-                self._advance(seq, host[index])
-            except Exception as exc:  # a grammar that refused a token: this one only
-                self.fail(seq, exc)
+    def prepare_masks(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Compute the grammar masks of the rows about to be sampled (on the CPU: the engine calls
+        this after launching the step, so on a GPU it overlaps the forward); the rows whose grammar
+        fails here fail alone. The rows left to sample."""
+        ready = []
+        for seq in seqs:
+            constraint = seq.sampler.constraint
+            if constraint is not None:
+                started = time.perf_counter()
+                try:
+                    constraint.prepare()
+                except Exception as exc:  # the schema ran past a limit: this row only
+                    self.fail(seq, exc)
+                    continue
+                finally:
+                    self.constraint_s += time.perf_counter() - started
+            ready.append(seq)
+        return ready
 
-    def take_picked(self, seq: Sequence, token: int, finite: int) -> None:
-        """`token` is the device's pick for `seq`'s row (argmax or sample); `finite`: whether that
-        row's logits were (1/0)."""
+    def take_picked(self, seq: Sequence, pick: Pick) -> None:
+        """`pick` is the device's choice for `seq`'s row (sampling.device_picks)."""
         try:
-            if not finite:
+            if not pick.finite:
                 raise NonFiniteLogits("the model produced non-finite logits")
-            self._take(seq, token)
+            self._take(seq, pick.token, pick.logprob)
         except Exception as exc:  # this row only
             self.fail(seq, exc)
 
-    def chunk_done(self, seq: Sequence, end: int, logits: torch.Tensor, started: float) -> None:
-        """`seq`'s prompt is computed up to `end`; `logits` are its last token's."""
+    def chunk_done(self, seq: Sequence, end: int, forward: DeviceSpan) -> None:
+        """`seq`'s prompt is computed up to `end` by the step's `forward` (a prompt's last chunk is
+        sampled: `prompt_done`)."""
         try:
             if seq.phase is Phase.PROMPT:
-                seq.forward_s += time.perf_counter() - started
+                seq.forward_spans.append(forward)
             seq.computed = end
             if seq.phase is Phase.GROUP and end == seq.group_len:
+                forward.wait()  # on CUDA: the group is computed, not launched (once a miss, for the log's time)
                 self._group_done(seq)
-            elif seq.phase is Phase.PROMPT and end == len(seq.prompt):
-                on_device = seq.sampler.plain or seq.sampler.on_device
-                self._prompt_done(seq, logits if on_device else on_host(logits))
+        except Exception as exc:
+            self.fail(seq, exc)
+
+    def prompt_done(self, seq: Sequence, pick: Pick) -> None:
+        """`seq`'s whole prompt is computed; `pick` is the first token chosen from its logits."""
+        try:
+            self._prompt_done(seq, pick)
         except Exception as exc:
             self.fail(seq, exc)
 
@@ -98,14 +106,15 @@ class OutputProcessor:
             self.retire(seq)
             seq.job.warm.set_result((seq.entry, False))
 
-    def _prompt_done(self, seq: Sequence, logits: torch.Tensor) -> None:
-        if not all_finite(logits):
+    def _prompt_done(self, seq: Sequence, pick: Pick) -> None:
+        if not pick.finite:
             if seq.result == "hit" and seq.entry is not None:
                 self.cache.quarantine(seq.entry, "its KV gave non-finite logits")
                 self._recompute(seq)
                 return
             raise _NonFinite("the model gave non-finite logits on a plain prefill")
-        now = time.perf_counter()
+        now = time.perf_counter()  # after the pick was read: on CUDA the prompt is computed, not launched
+        seq.forward_s = sum(span.seconds() for span in seq.forward_spans)  # the device's time (done by now)
         job = seq.job
         job.emit(Prefilled(len(seq.prompt), seq.reused, seq.result, seq.tier, 0.0, seq.compile_s,
                            now - seq.admitted_at, seq.forward_s,
@@ -114,44 +123,78 @@ class OutputProcessor:
         if job.params.max_tokens <= 0:  # the answer is wholly forced (e.g. a call with no arguments)
             self._finish(seq, "length", 0)
             return
-        self._advance(seq, logits)
+        self._take(seq, pick.token, pick.logprob)
 
     def _recompute(self, seq: Sequence) -> None:
         """Start `seq` again, computing its group privately (its cached copy was bad)."""
         self.retire(seq)
         self._restart(seq.job)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token of `seq`, emit its text, and finish it or queue the token."""
-        token = seq.sampler.next_token(logits)
-        if seq.sampler.constraint is not None:
-            self.constrained_tokens += 1
-            self.constraint_s += seq.sampler.constraint_s
-        self._take(seq, token)
+    def _take(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """`token` is the next token of `seq`, chosen from its logits: taken, then the tokens its
+        grammar forces after it (`_take_forced`)."""
+        if self._take_one(seq, token, logprob):
+            seq.pending = [token]
+            self._take_forced(seq)
 
-    def _take(self, seq: Sequence, token: int) -> None:
-        """`token` is the next token of `seq`: emit its text, and finish or queue it."""
+    def _take_forced(self, seq: Sequence) -> None:
+        """Take the tokens `seq`'s grammar forces now (none: it allows a choice), then those it
+        forces after them, and so on. With `chunk_forced` they go to the model as one chunk with the
+        token before them (`pending`: one forward instead of one each); without, they are queued
+        in the grammar, whose mask is then each one alone, and chosen a step each: the same tokens
+        either way, each with logprob 0 (the masked distribution's: the only allowed token)."""
+        constraint = seq.sampler.constraint
+        while constraint is not None:
+            forced = self._forced(constraint)
+            if not forced:
+                return
+            self.forced_tokens += len(forced)
+            if not self.chunk_forced:
+                constraint.queue = forced
+                return
+            for token in forced:
+                top = seq.sampler.params.top_logprobs
+                logprob = TokenLogprob(token, 0.0, ((token, 0.0),)[:top]) if seq.sampler.params.logprobs else None
+                seq.sampler.skipped(token)
+                if not self._take_one(seq, token, logprob):
+                    return
+                seq.pending.append(token)
+
+    def _forced(self, constraint: Constraint) -> list[int]:
+        """The tokens `constraint` forces next, up to an end of sequence (that one is chosen)."""
+        started = time.perf_counter()
+        forced = constraint.forced()
+        self.constraint_s += time.perf_counter() - started
+        end = next((i for i, token in enumerate(forced) if token in self.eos_ids), len(forced))
+        return forced[:end]
+
+    def _take_one(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
+        """`token` is the next token of `seq`: the grammar follows it, its text is emitted, and the
+        sequence finishes (False) or goes on (True)."""
         job = seq.job
+        constraint = seq.sampler.constraint
+        if constraint is not None:
+            started = time.perf_counter()
+            constraint.accept(token)
+            self.constrained_tokens += 1
+            self.constraint_s += time.perf_counter() - started
         seq.generated += 1
         if token in self.eos_ids:
             self._finish(seq, "stop", seq.generated - 1)
-            return
+            return False
         delta = seq.stream.push(token)
-        if seq.sampler.last_logprob is not None:  # (after the end-of-sequence check: that one is no answer's)
-            seq.logprobs.hold(seq.sampler.last_logprob, seq.stream.text_chars)
+        if logprob is not None:  # (after the end-of-sequence check: that one is no answer's)
+            seq.logprobs.hold(logprob, seq.stream.text_chars)
         if delta or seq.stream.stopped:
             seq.emit_text(delta, seq.stream.emitted_chars)
-        if delta and job.first_token_sent is not None and not seq.first_token_handed_off:
-            seq.first_token_handed_off = True
-            job.first_token_sent.wait(FIRST_TOKEN_HANDOFF_S)
         if seq.stream.stopped:
             self.retire(seq, keep_turn=True)  # blocks are free before the client hears it is done
             job.emit(Finished("stop", seq.generated, tuple(seq.stream.token_ids), seq.stream.stopped_by))
-            return
+            return False
         if seq.generated >= job.params.max_tokens:
             self._finish(seq, "length", job.params.max_tokens)
-            return
-        seq.next_token = token
+            return False
+        return True
 
     def _finish(self, seq: Sequence, reason: Literal["stop", "length"], count: int) -> None:
         self.retire(seq, keep_turn=True)  # blocks are free before the client hears it is done

@@ -1,17 +1,17 @@
 """Next-token choice (greedy, or temperature + top-p with an optional seed), with OpenAI's
-`logit_bias`, presence/frequency penalties and logprobs: on the device for many rows at once
-where nothing but temperature and top-p applies, else per sequence on the host. The text the
-tokens write is text_stream.py's."""
+`logit_bias`, presence/frequency penalties, a grammar's mask and logprobs: every row of a step on
+the logits' device at once (`device_picks`), the per-row extras applied as tensors, and one
+transfer of the picks to the host. The grammar's mask is computed on the CPU (constraints.py,
+while the device runs the step) and applied on the device as a packed bitmask, as vLLM's
+structured output does. The text the tokens write is text_stream.py's."""
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
 from gateway.engine.staging import staged
 
@@ -55,55 +55,135 @@ def all_finite(logits: torch.Tensor) -> bool:
     return bool(torch.isfinite(logits.max()))  # max is NaN if any is, +inf if any is, -inf if all are
 
 
+class Pick(NamedTuple):
+    """A row's token, whether its logits were finite, and its logprobs when the row asked."""
+
+    token: int
+    finite: bool
+    logprob: TokenLogprob | None = None
+
+
 @dataclass(slots=True)
-class GreedyPicks:
-    """Each logits row's argmax (`best`, on the device) and whether the row is finite, on their way
-    to the host: `read` waits for them alone (on CUDA an event after their copy to pinned memory,
-    not a sync of the stream: work queued after them, a next step launched ahead, goes on)."""
+class Picks:
+    """Each row's token (`best`, on the device) and what the host needs of it, on their way to the
+    host: `read` waits for them alone (on CUDA an event after their copy to pinned memory, not a
+    sync of the stream: work queued after them, a next step launched ahead, goes on)."""
 
     best: torch.Tensor
-    host: torch.Tensor
+    host: list[torch.Tensor]  # tokens and finite flags [2, rows]; then the logprob rows' chosen, top values, top ids
     ready: Any  # torch.cuda.Event, or None: already on the host
+    logprob_rows: tuple[tuple[int, int], ...] = ()  # (row, top_logprobs) of the rows that asked
 
     @classmethod
-    def start(cls, logits: torch.Tensor) -> GreedyPicks:
-        best = torch.argmax(logits, dim=-1)
-        picks = torch.stack([best, torch.isfinite(logits.amax(dim=-1)).long()])
-        if logits.device.type != "cuda":
-            return cls(best, picks, None)
-        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
-        host.copy_(picks, non_blocking=True)
+    def start(cls, best: torch.Tensor, finite: torch.Tensor, logprobs: list[torch.Tensor] | None = None,
+              logprob_rows: tuple[tuple[int, int], ...] = ()) -> Picks:
+        parts = [torch.stack([best, finite.long()]), *(logprobs or ())]
+        if best.device.type != "cuda":
+            return cls(best, parts, None, logprob_rows)
+        host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
+        for target, part in zip(host, parts, strict=True):
+            target.copy_(part, non_blocking=True)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         ready.record()
-        return cls(best, host, ready)
+        return cls(best, host, ready, logprob_rows)
 
-    def read(self) -> list[tuple[int, int]]:
-        """Each row's token and whether its logits were finite (1/0)."""
+    def read(self) -> list[Pick]:
+        """Each row's pick."""
         if self.ready is not None:
             self.ready.synchronize()
-        return list(zip(*self.host.tolist(), strict=True))
+        tokens, finite = self.host[0].tolist()
+        entries: dict[int, TokenLogprob] = {}
+        if self.logprob_rows:
+            chosen, values, ids = (t.tolist() for t in self.host[1:])
+            for k, (row, top) in enumerate(self.logprob_rows):
+                alternatives = tuple((i, v) for i, v in zip(ids[k][:top], values[k][:top], strict=True)
+                                     if math.isfinite(v))
+                entries[row] = TokenLogprob(tokens[row], chosen[k], alternatives)
+        return [Pick(t, bool(f), entries.get(row)) for row, (t, f) in enumerate(zip(tokens, finite, strict=True))]
 
 
-def device_picks(logits: torch.Tensor, samplers: list[Sampler]) -> GreedyPicks:
-    """Each row's next token, chosen on the logits' device for all rows at once: the argmax for a
-    plain greedy row, temperature + top-p sampling for a row sampled on the device (every sampler
-    is one or the other): one argmax over the rows' scores and one transfer."""
-    sampled = [i for i, sampler in enumerate(samplers) if not sampler.plain]
-    if not sampled:
-        return GreedyPicks.start(logits)
-    rows = staged(sampled, torch.long, logits.device)
+def device_picks(logits: torch.Tensor, samplers: list[Sampler],
+                 masks: list[torch.Tensor | None] | None = None) -> Picks:
+    """Each row's next token, chosen on the logits' device for all rows at once, in OpenAI's
+    order: `logit_bias` added, presence/frequency penalties subtracted (each sequence's counts
+    live on the device and count the pick there, so a step launched ahead penalizes the token not
+    read yet), the grammar's mask (a packed bitmask per row: `masks[i]`, else the row's
+    constraint's current one), the logprobs taken there (before temperature), then the argmax for
+    a greedy row or temperature + top-p sampling for a sampled one; one argmax, one transfer.
+    Every op is per row, so a row's token never depends on the rows beside it. A step of plain
+    greedy rows is one argmax of the logits as they are."""
+    finite = torch.isfinite(logits.amax(dim=-1))
+    if all(s.plain for s in samplers):
+        return Picks.start(torch.argmax(logits, dim=-1), finite)
+    device = logits.device
     scores = logits.to(torch.float32, copy=True)  # the step's logits stay as they are
-    scores.index_copy_(0, rows, sample_scores(logits.index_select(0, rows), [samplers[i] for i in sampled]))
-    return GreedyPicks.start(scores)
+    _add_bias(scores, samplers)
+    penalized_rows = [i for i, s in enumerate(samplers) if s.penalizes]
+    if penalized_rows:
+        _penalize(scores, penalized_rows, samplers)
+    if masks is None:
+        masks = [s.constraint.bitmask if s.constraint is not None else None for s in samplers]
+    masked_rows = [i for i, m in enumerate(masks) if m is not None]
+    if masked_rows:
+        _mask(scores, masked_rows, [m for m in masks if m is not None])
+    logprob_rows = tuple((i, s.params.top_logprobs) for i, s in enumerate(samplers) if s.params.logprobs)
+    asked = staged([i for i, _ in logprob_rows], torch.long, device) if logprob_rows else None
+    logprobs = torch.log_softmax(scores.index_select(0, asked), dim=-1) if asked is not None else None
+    sampled = [i for i, s in enumerate(samplers) if s.params.temperature >= GREEDY_BELOW]
+    if sampled:
+        rows = staged(sampled, torch.long, device)
+        scores.index_copy_(0, rows, sample_scores(scores.index_select(0, rows), [samplers[i] for i in sampled]))
+    best = torch.argmax(scores, dim=-1)
+    for i in penalized_rows:  # count the pick where it is: no read needed
+        samplers[i].counted(best[i:i + 1])
+    if logprobs is None or asked is None:
+        return Picks.start(best, finite)
+    chosen = logprobs.gather(1, best.index_select(0, asked)[:, None])[:, 0]
+    top = min(max(1, *(k for _, k in logprob_rows)), logprobs.shape[-1])
+    values, ids = torch.topk(logprobs, top, dim=-1)
+    return Picks.start(best, finite, [chosen, values, ids], logprob_rows)
 
 
-def picks_of(logits: torch.Tensor, samplers: list[Sampler], rows: list[int]) -> dict[int, tuple[int, int]]:
-    """For the `rows` of a step's logits chosen on the device (`device_picks`): each one's token
-    and whether its logits were finite (1/0)."""
-    if not rows:
-        return {}
-    picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, staged(rows, torch.long, logits.device))
-    return dict(zip(rows, device_picks(picked, [samplers[i] for i in rows]).read(), strict=True))
+def _add_bias(scores: torch.Tensor, samplers: list[Sampler]) -> None:
+    """OpenAI's `logit_bias`: each bias added to its token's logit, every row's at once."""
+    triples = [(i, token, bias) for i, s in enumerate(samplers) for token, bias in s.params.logit_bias]
+    if not triples:
+        return
+    rows, tokens, biases = zip(*triples, strict=True)
+    device = scores.device
+    index = (staged(list(rows), torch.long, device), staged(list(tokens), torch.long, device))
+    scores.index_put_(index, staged(list(biases), torch.float32, device), accumulate=True)
+
+
+def _penalize(scores: torch.Tensor, rows: list[int], samplers: list[Sampler]) -> None:
+    device, vocab = scores.device, scores.shape[-1]
+    counts = torch.stack([samplers[i].counts(vocab, device) for i in rows])
+    frequency = staged([[samplers[i].params.frequency_penalty] for i in rows], torch.float32, device)
+    presence = staged([[samplers[i].params.presence_penalty] for i in rows], torch.float32, device)
+    index = staged(rows, torch.long, device)
+    scores.index_copy_(0, index, penalized(scores.index_select(0, index), counts, frequency, presence))
+
+
+def _mask(scores: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
+    """Every token a row's bitmask forbids at -inf, with plain torch ops on the device (llguidance's
+    own `apply_token_bitmask_inplace` is a `torch.compile` function whose first call compiled for
+    72-83 s). A row whose every allowed token the model ruled out (-inf logits) takes the grammar's
+    choice instead of an arbitrary token: its allowed tokens at 0."""
+    device, vocab = scores.device, scores.shape[-1]
+    words = torch.stack(masks)
+    words = (words.pin_memory() if device.type == "cuda" else words).to(device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> _BIT_SHIFTS.to(device)) & 1).bool().reshape(len(rows), -1)
+    if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab]
+    index = staged(rows, torch.long, device)
+    masked = scores.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    dead = ~torch.isfinite(masked.amax(dim=-1, keepdim=True))
+    grammar_only = torch.zeros_like(masked).masked_fill_(~allowed, float("-inf"))
+    scores.index_copy_(0, index, torch.where(dead, grammar_only, masked))
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
 
 
 def sample_scores(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
@@ -119,147 +199,103 @@ def sample_scores(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor
     noise = torch.empty_like(probs)
     for row, sampler in zip(noise, samplers, strict=True):
         row.exponential_(generator=sampler.noise_generator(device))
+        sampler.vocab = row.shape[0]
     return probs / noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a draw of 0 would make an infinity
 
 
-def on_host(logits: torch.Tensor) -> torch.Tensor:
-    """Rows a sequence samples from itself (penalties, grammar, logprobs, temperature): on the CPU,
-    where its sampler keeps its state, in one copy."""
-    return logits.cpu() if logits.device.type != "cpu" else logits
-
-
 class Sampler:
-    """One sequence's next-token choice: the logits are checked, biased (`logit_bias`), penalized
-    (presence/frequency, over this sequence's tokens so far), masked to its grammar (if it has
-    one); the token's logprobs are recorded (when asked) from those logits; then the token is
-    picked (greedy, or temperature + top-p) and the grammar follows it."""
+    """One sequence's next-token choice: its parameters, its random stream (seeded by `seed`), its
+    token counts for penalties (on the device) and its grammar, if it has one. `device_picks`
+    chooses every row of a step together; the engine makes the grammar follow each token."""
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
         self.constraint = constraint
-        self.constraint_s = 0.0  # the grammar's time (mask + follow) for the last token
-        self._prepare_s = 0.0
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
-        # logit_bias is transformers' SequenceBiasLogitsProcessor with one-token sequences: it adds
-        # each bias to its token's logit, which is OpenAI's definition.
-        self._bias = SequenceBiasLogitsProcessor([[[token], float(bias)] for token, bias in params.logit_bias]) \
-            if params.logit_bias else None
-        self._no_input_ids = torch.empty((1, 0), dtype=torch.long)  # one-token biases never read the context
-        self._penalize = bool(params.frequency_penalty or params.presence_penalty)
+        self.seed = params.seed if params.seed is not None else torch.Generator().seed()
+        self.penalizes = bool(params.frequency_penalty or params.presence_penalty)
         self._counts: torch.Tensor | None = None  # per token: how often this sequence sampled it
-        self.last_logprob: TokenLogprob | None = None  # the last token's, when `params.logprobs`
         self._noise: torch.Generator | None = None  # `noise_generator`'s
+        self.vocab = 0  # the width of the noise it draws (known once it has drawn some)
+        self.guess: torch.Tensor | None = None  # the mask a pick in flight was made with, guessed (`mark`)
+        self._rewind_to: torch.Tensor | None = None  # the random stream's state before that pick
+        self.last_logprob: TokenLogprob | None = None  # the last token's, when `params.logprobs` (next_token)
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing to apply (no bias, penalty, grammar or logprobs): the next token is
-        the argmax of the logits, which the engine takes for many rows at once on the device."""
-        return self._unadjusted and self.params.temperature < GREEDY_BELOW
-
-    @property
-    def on_device(self) -> bool:
-        """Temperature (and top-p) with nothing else to apply: the token is sampled on the logits'
-        device, many rows at once (`device_picks`)."""
-        return self._unadjusted and self.params.temperature >= GREEDY_BELOW
-
-    @property
-    def _unadjusted(self) -> bool:
-        """No bias, penalty, logprobs or grammar: the logits are used as they come."""
-        return self._bias is None and not self._penalize and not self.params.logprobs and self.constraint is None
+        the argmax of the logits as they come."""
+        return self.params.temperature < GREEDY_BELOW and not (
+            self.params.logit_bias or self.penalizes or self.params.logprobs or self.constraint is not None)
 
     def noise_generator(self, device: torch.device) -> torch.Generator:
         """This sequence's random stream on `device` for sampling there: seeded like the sampler
         (the request's `seed`, else a random one), so a seed repeats its tokens."""
         if self._noise is None or self._noise.device != device:
             self._noise = torch.Generator(device=device)
-            self._noise.manual_seed(self.generator.initial_seed())
+            self._noise.manual_seed(self.seed)
         return self._noise
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """`logits`: [vocab] for the last position. Non-finite logits raise NonFiniteLogits
-        (softmax would turn them into NaN probabilities, argmax into an arbitrary token)."""
-        if self.on_device:  # as it is sampled in a batch
-            token, finite = device_picks(logits[None], [self]).read()[0]
-            if not finite:
-                raise NonFiniteLogits("the model produced non-finite logits")
-            return token
-        if not all_finite(logits):
-            raise NonFiniteLogits("the model produced non-finite logits")
-        logits = self._adjusted(logits)
-        if self.constraint is None:
-            return self._choose(logits)
-        started = time.perf_counter()
-        logits = self.constraint.mask(logits)
-        masked = time.perf_counter()
-        token = self._choose(logits)
-        accepting = time.perf_counter()
-        self.constraint.accept(token)
-        # the grammar's own cost: its mask (computed ahead, in `prepare_mask`, or here) and following the token
-        self.constraint_s = self._prepare_s + (masked - started) + (time.perf_counter() - accepting)
-        self._prepare_s = 0.0
-        return token
+    def counts(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """How often this sequence has picked each token (for its penalties), on `device`."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        return self._counts
 
-    def prepare_mask(self) -> None:
-        """Compute the grammar's mask for the next token ahead of the logits (the engine calls it
-        while the device runs the forward). A grammar error is left for `next_token` to raise."""
-        if self.constraint is None:
-            return
-        started = time.perf_counter()
-        try:
-            self.constraint.prepare()
-        except Exception:  # raised again, where a failure belongs, when the token is chosen
-            pass
-        self._prepare_s += time.perf_counter() - started
+    def counted(self, token: torch.Tensor) -> None:
+        """Count `token` (`[1]`, on the device) as picked."""
+        if self._counts is not None:
+            self._counts.index_put_((token,), torch.ones(1, device=token.device), accumulate=True)
 
-    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with the request's logit_bias and penalties (a copy; the same tensor if none)."""
-        if self._bias is not None:
-            logits = self._bias(self._no_input_ids, logits.unsqueeze(0))[0]
-        if self._penalize:
-            if self._counts is None:
-                self._counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-            logits = penalized(logits, self._counts, self.params.frequency_penalty, self.params.presence_penalty)
-        return logits
-
-    def _choose(self, logits: torch.Tensor) -> int:
-        """Pick from the processed logits; record the token's logprobs and count it."""
-        token = self._pick(logits)
-        if self.params.logprobs:  # only then: no log-softmax on the hot path
-            self.last_logprob = token_logprob(logits, token, self.params.top_logprobs)
+    def skipped(self, token: int) -> None:
+        """`token` was taken without a pick (forced by the grammar, fed in a chunk): it is counted
+        for the penalties, and the noise a pick would have drawn for it is drawn and dropped, so a
+        seed gives the tokens it gives when forced tokens are picked a step each."""
         if self._counts is not None:
             self._counts[token] += 1
-        return token
+        if self.params.temperature >= GREEDY_BELOW and self._noise is not None and self.vocab:
+            torch.empty(self.vocab, device=self._noise.device).exponential_(generator=self._noise)
 
-    def _pick(self, logits: torch.Tensor) -> int:
-        if self.params.temperature < GREEDY_BELOW:
-            return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        if self.params.top_p < 1.0:
-            probs = _top_p(probs, self.params.top_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+    def mark(self, device: torch.device, guessed: bool) -> None:
+        """Before a pick: `guessed`, it is made with the grammar mask of the step before (a step
+        launched ahead, engine/core.py `_decode_ahead`), kept in `guess` with where the random
+        stream stood, so `dropped` can undo the pick; else no guess."""
+        if not guessed or self.constraint is None:
+            self.guess = None
+            return
+        self.guess = self.constraint.bitmask
+        if self.params.temperature >= GREEDY_BELOW:
+            self._rewind_to = self.noise_generator(device).get_state()
+
+    def dropped(self, token: int) -> None:
+        """Undo a pick made on a wrong guess: its penalty count taken back, the random stream
+        back where it stood before it."""
+        if self._counts is not None:
+            self._counts[token] -= 1
+        if self._rewind_to is not None and self._noise is not None:
+            self._noise.set_state(self._rewind_to)
+        self.guess = self._rewind_to = None
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """One row's pick (`logits [vocab]`) as the engine makes it, its grammar's mask computed
+        first and the token followed after; NonFiniteLogits for logits no token can come from."""
+        if self.constraint is not None:
+            self.constraint.prepare()
+        pick = device_picks(logits[None], [self]).read()[0]
+        if not pick.finite:
+            raise NonFiniteLogits("the model produced non-finite logits")
+        self.last_logprob = pick.logprob
+        if self.constraint is not None:
+            self.constraint.accept(pick.token)
+        return pick.token
 
 
-def penalized(logits: torch.Tensor, counts: torch.Tensor, frequency: float, presence: float) -> torch.Tensor:
+def penalized(logits: torch.Tensor, counts: torch.Tensor, frequency: float | torch.Tensor,
+              presence: float | torch.Tensor) -> torch.Tensor:
     """OpenAI's presence and frequency penalties: `logit[j] -= count[j] * frequency + (count[j] > 0)
     * presence`, `count` over the tokens generated so far. Own code because transformers'
     RepetitionPenaltyLogitsProcessor divides or multiplies a logit (CTRL's penalty) and counts the
     prompt too: a different definition."""
     return logits - counts * frequency - (counts > 0).to(counts.dtype) * presence
-
-
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """`token`'s log probability under `logits` and the `top` most likely tokens; a token masked
-    out (-inf) is never among them."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    alternatives: tuple[tuple[int, float], ...] = ()
-    if top:
-        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
-        alternatives = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if math.isfinite(v))
-    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 TOP_P_HEAD = 256  # the most likely tokens sorted first; the whole vocabulary only if they fall short

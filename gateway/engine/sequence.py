@@ -22,6 +22,7 @@ from gateway.engine.events import CacheResult, Job, TextDelta
 from gateway.engine.model_runner import RowKV
 from gateway.engine.prefix_index import Record
 from gateway.engine.sampling import Sampler
+from gateway.engine.stats import DeviceSpan
 from gateway.engine.text_stream import HeldLogprobs, TextStream
 from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
@@ -54,13 +55,13 @@ class Sequence:
     computed: int = 0  # prompt tokens whose KV is in place
     reused: int = 0  # prompt tokens whose KV came from the cache (cached_tokens)
     generated: int = 0  # tokens sampled so far
-    next_token: int | None = None  # sampled, not yet fed to the model
+    pending: list[int] = field(default_factory=list)  # taken (sampled, then any forced), not yet fed to the model
     admitted_at: float = field(default_factory=time.perf_counter)
     lookup_s: float = 0.0
     compile_started: float = 0.0
     compile_s: float = 0.0
     forward_s: float = 0.0  # the model's forward passes over this sequence's own prompt tokens
-    first_token_handed_off: bool = False
+    forward_spans: list[DeviceSpan] = field(default_factory=list)  # those passes, timed on the device
     last_step: int = 0  # the scheduler's step that last ran it (0: none yet)
     chain: list[bytes] = field(default_factory=list)  # the prompt's block hashes (prefix_index)
     source: Record | None = None  # the conversation record its rest started from
@@ -115,12 +116,14 @@ class Sequence:
         return self.computed, next_end(self.ends, self.computed)
 
     def row(self, new_tokens: int, ahead: int = 0) -> RowKV:
-        """Where this sequence's next `new_tokens` go (`ahead`: a decode row that many tokens past
-        the ones sampled so far, for a step launched before the last one's token is read)."""
+        """Where this sequence's next `new_tokens` go: the prompt's next chunk, or the `pending`
+        tokens of a decoding one (`ahead`: a decode row that many tokens past the ones taken so
+        far, for a step launched before the last one's token is read)."""
         if self.phase is Phase.GROUP:
             assert self.group_run is not None
             return RowKV(None, self.group_run, self.computed, self.computed)
-        position = self.computed if self.phase is Phase.PROMPT else len(self.prompt) + self.generated - 1 + ahead
+        position = self.computed if self.phase is Phase.PROMPT else \
+            len(self.prompt) + self.generated - len(self.pending) + ahead
         return RowKV(self.group_kv(), self.own_run, position - self.group_len, position, self.group_start)
 
     @property

@@ -1,11 +1,16 @@
 """What the engine reports about itself: read by the metrics collector and the dashboard through
-`Engine.stats()` and `Engine.drain_steps()`, never through the engine's members."""
+`Engine.stats()` and `Engine.drain_steps()`, never through the engine's members; and how it times
+its device's work (`DeviceSpan`)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,7 @@ class EngineStats:
     conversation_evictions_total: int = 0  # records dropped to make room in the pool
     constrained_tokens_total: int = 0  # tokens chosen under a grammar (constraints.py)
     constraint_seconds_total: float = 0.0  # the grammar's time for those: masks and following
+    forced_tokens_total: int = 0  # of those, tokens the grammar forced (fed to the model in chunks)
     decode_steps_total: int = 0  # batched decode forwards
     decode_seconds_total: float = 0.0  # their time (the model's forward, one token per sequence)
     memory: MemoryUse | None = None  # None: the engine did not say (ModelRunner.memory() does)
@@ -63,19 +69,65 @@ class StepRecord:
     seconds: float
 
 
+class DeviceSpan:
+    """How long a piece of the device's work took. On CUDA a launch returns before the work is
+    done, so timing it on the host measures the launch: there the span is two CUDA events recorded
+    around the launches, and its `seconds` are the device's time between them (read once the work
+    is done: `seconds` waits for the end event, which costs nothing once something later was read).
+    On the CPU a launch is the work, and the span is the host's clock from its start to `end`."""
+
+    __slots__ = ("_end", "_seconds", "_start", "_started")
+
+    def __init__(self, device: torch.device) -> None:
+        self._started = time.perf_counter()
+        self._start: Any = None
+        self._end: Any = None
+        self._seconds: float | None = None
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._start.record()
+
+    def end(self) -> DeviceSpan:
+        """The work launched since the start is the span's (no wait)."""
+        if self._start is None:
+            self._seconds = time.perf_counter() - self._started
+        else:
+            self._end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._end.record()
+        return self
+
+    def wait(self) -> None:
+        """Wait until the span's work is done on the device (no wait on the CPU)."""
+        if self._end is not None:
+            self._end.synchronize()
+
+    def seconds(self) -> float:
+        if self._seconds is None:
+            assert self._end is not None, "end() first"
+            self._end.synchronize()
+            self._seconds = float(self._start.elapsed_time(self._end)) / 1000
+        return self._seconds
+
+
 class StepLog:
-    """Steps since the last drain (bounded), for the metrics collector's histograms."""
+    """Steps since the last drain (bounded), for the metrics collector's histograms. A step timed by
+    a `DeviceSpan` is read when drained (on the collector's thread): the engine never waits for it."""
 
     def __init__(self, maxlen: int = 4096) -> None:
-        self._steps: deque[StepRecord] = deque(maxlen=maxlen)
+        self._steps: deque[StepRecord | tuple[int, int, DeviceSpan]] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
 
     def add(self, record: StepRecord) -> None:
         with self._lock:
             self._steps.append(record)
 
+    def add_span(self, batch_size: int, num_tokens: int, span: DeviceSpan) -> None:
+        with self._lock:
+            self._steps.append((batch_size, num_tokens, span))
+
     def drain(self) -> list[StepRecord]:
         with self._lock:
             taken = list(self._steps)
             self._steps.clear()
-            return taken
+        return [step if isinstance(step, StepRecord) else StepRecord(step[0], step[1], step[2].seconds())
+                for step in taken]

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -323,7 +322,6 @@ class ChatService:
         streamer = SyntaxStreamer(self.family.call_syntax()) if prepared.tools_active else None
         calls = CallTracker(single=prepared.single_call)
         opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
-        handoff = prepared.job.first_token_sent = threading.Event()
         events = self.events(prepared)
         first = await anext(events)  # raises Overloaded before any byte is sent
         yield Started(usage_of(prepared, Outcome(prefilled=prepared.prefilled)), bool(prepared.forced_opening))
@@ -340,7 +338,6 @@ class ChatService:
                 pieces = streamer.feed(engine_event.text) if streamer else [ContentDelta(engine_event.text)]
                 for event in calls.events(pieces, logprobs.take):
                     yield event
-                handoff.set()  # the consumer asked for more: the events above were sent
         if streamer is not None:
             for event in calls.events(streamer.finish(), logprobs.take):
                 yield event

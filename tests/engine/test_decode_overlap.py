@@ -28,13 +28,13 @@ def requests(tools: list[dict[str, Any]], stop: str = "e") -> list[dict[str, Any
             plain(tools, "hi", 2),
             plain(tools, "Top sellers?", 30, stop=[stop]),
             plain([], "Stock of item 7?", 45),
-            body(tools, "Compare this month's orders with last month's", max_tokens=3)]  # a grammar: not plain
+            body(tools, "Compare this month's orders with last month's", max_tokens=3)]  # a grammar (auto)
 
 
 def test_overlapped_steps_give_every_request_the_tokens_it_gets_without_them(runtime_for, merchant_tools):
     """Seven requests at once (different lengths, a stop string, one without tools, one with a
-    grammar, which is never launched ahead) and each alone: token for token what the same model
-    gives with every step read before the next, and steps were launched ahead."""
+    grammar) and each alone: token for token what the same model gives with every step read
+    before the next, and steps were launched ahead."""
     tools = merchant_tools[:3]
     steps, ahead = runtime_for("llama", decode_overlap=False), runtime_for("llama", decode_overlap=True)
     free = generate(steps, plain(tools, "Top sellers?", 30)).text
@@ -176,3 +176,33 @@ def test_sampled_rows_are_launched_ahead_too_and_a_seed_gives_the_same_tokens(ru
     assert ahead.engine.ahead_steps > 0  # sampled rows alone ran ahead
     together = run_together(ahead, [(r, False) for r in sampled])
     assert [run.finished.token_ids for run in together] == [f.token_ids for f in expected]
+
+
+def tool_requests(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Requests with tools and `tool_choice: auto` (a grammar each), with logprobs, penalties,
+    `logit_bias`, sampling, and a call forced by `required`."""
+    return [body(tools, "What was GMV last week?", max_tokens=40, tool_choice="auto"),
+            body(tools, "Refunds?", max_tokens=25, logprobs=True, top_logprobs=3),
+            body(tools, "Top sellers?", max_tokens=30, frequency_penalty=0.8, presence_penalty=0.4,
+                 logit_bias={"13": 3.0}),
+            body(tools, "List low stock", max_tokens=30, temperature=0.8, top_p=0.9, seed=4),
+            body(tools, "Cancel order W1", max_tokens=45, tool_choice="required")]
+
+
+def test_tool_requests_are_sampled_on_the_device_and_run_ahead_with_the_tokens_of_steps_read_first(
+        runtime_for, merchant_tools):
+    """Rows with a grammar, logprobs, penalties or `logit_bias` are chosen on the device and run
+    ahead (a grammar row on its mask guessed from the step before, checked once the token is
+    read): each request, alone and together, gives the tokens and logprobs it gives with every
+    step read before the next."""
+    tools = merchant_tools[:3]
+    steps, ahead = runtime_for("llama", decode_overlap=False), runtime_for("llama", decode_overlap=True)
+    expected = [generate(steps, r) for r in tool_requests(tools)]
+    alone = generate(ahead, tool_requests(tools)[0])  # tools with tool_choice auto, alone: on the fast path
+    assert alone.finished == expected[0].finished and ahead.engine.ahead_steps > 0
+    runs = [generate(ahead, r) for r in tool_requests(tools)]
+    assert [run.finished for run in runs] == [run.finished for run in expected]
+    assert [run.logprobs for run in runs] == [run.logprobs for run in expected]
+    together = run_together(ahead, [(r, False) for r in tool_requests(tools)])
+    assert [run.finished for run in together] == [run.finished for run in expected]
+    assert not_kept(ahead) == not_kept(steps)

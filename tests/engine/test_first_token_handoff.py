@@ -1,27 +1,50 @@
-"""The engine pauses after the first token until the stream has sent it; a consumer that never
-says so must not stall the generation, and the pause must not change what is generated."""
+"""The engine never waits on the web server: a streamed answer is written whole while its stream
+sends nothing (its event loop blocked after the first event), and it is the same answer. Before,
+the engine paused after each request's first token until the stream said it was sent (up to 50
+ms, the device idle meanwhile)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
+from gateway.engine import Failed, Finished
+from gateway.engine.events import EngineEvent, Job
+from gateway.protocol.answer import Ended, TextWritten
 from gateway.protocol.chat import ChatCompletionRequest
 from tests.engine.conftest import generate
 
 
-def test_a_first_token_never_acknowledged_still_finishes_with_the_same_text(runtime_for, merchant_tools):
+def test_an_answer_is_written_whole_while_its_stream_sends_nothing(runtime_for, merchant_tools):
     runtime = runtime_for("llama")
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Refunds?"}],
             "tools": merchant_tools[:3], "tool_choice": "none", "temperature": 0, "max_tokens": 6}
     plain = generate(runtime, body)
-    original = runtime.service.prepare
+    prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(body))
+    done, submit = threading.Event(), runtime.engine.submit
 
-    def never_acknowledged(req: ChatCompletionRequest, **kwargs):
-        prepared = original(req, **kwargs)
-        prepared.job.first_token_sent = threading.Event()  # nobody sets it
-        return prepared
+    def submitting(job: Job) -> None:  # the stream's own emit, and a note when the engine is done
+        emit = job.emit
 
-    runtime.service.prepare = never_acknowledged  # type: ignore[method-assign]
-    paused = generate(runtime, body)
-    assert paused.finished.completion_tokens == plain.finished.completion_tokens == 6
-    assert paused.text == plain.text and paused.finished.token_ids == plain.finished.token_ids
+        def emitting(event: EngineEvent) -> None:
+            emit(event)
+            if isinstance(event, (Finished, Failed)):
+                done.set()
+
+        job.emit = emitting
+        submit(job)
+
+    runtime.engine.submit = submitting  # type: ignore[method-assign]
+
+    async def main() -> tuple[bool, str, Ended]:
+        stream = runtime.service.stream(prepared)
+        await anext(stream)  # the prompt is in
+        written = done.wait(timeout=120)  # the event loop is blocked: the stream sends nothing meanwhile
+        events = [event async for event in stream]
+        text = "".join(e.text for e in events if isinstance(e, TextWritten))
+        assert isinstance(events[-1], Ended)
+        return written, text, events[-1]
+
+    written, text, ended = asyncio.run(main())
+    assert written  # the engine finished without the stream sending a byte
+    assert text == plain.text and ended.usage.completion_tokens == plain.finished.completion_tokens == 6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gateway.engine.constraints import pack
 from gateway.engine.sampling import (
     Sampler,
     SamplingParams,
@@ -52,13 +53,14 @@ def test_penalties_count_this_sequences_own_tokens_only():
 
 
 class _BanFirst:
-    """A grammar stub that allows every token but 0."""
+    """A grammar stub that allows every token but 0 (a packed bitmask, as constraints.Constraint's)."""
 
     def __init__(self) -> None:
         self.accepted: list[int] = []
+        self.bitmask = pack(torch.arange(4) != 0)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.where(torch.arange(logits.shape[0]) == 0, float("-inf"), logits)
+    def prepare(self) -> None:
+        pass
 
     def accept(self, token: int) -> None:
         self.accepted.append(token)
@@ -132,7 +134,6 @@ def test_sampling_on_the_device_follows_temperature_and_the_nucleus():
     first, then top-p keeps the likeliest tokens up to p and never the others."""
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     sampler = Sampler(SamplingParams(4, temperature=1.0, seed=11))
-    assert sampler.on_device
     counts = _draws(sampler, logits, 4000).float() / 4000
     assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
     nucleus = _draws(Sampler(SamplingParams(4, temperature=1.0, top_p=0.6, seed=11)), logits, 2000)
@@ -152,8 +153,8 @@ def test_a_row_sampled_with_others_gets_the_token_it_gets_alone():
     alone = [[Sampler(p).next_token(row) for _ in range(1)] for p, row in zip(params, logits, strict=True)]
     samplers = [Sampler(p) for p in params]
     batched = device_picks(logits, samplers).read()
-    assert [[token] for token, _ in batched] == alone
-    assert all(finite for _, finite in batched)
+    assert [[pick.token] for pick in batched] == alone
+    assert all(pick.finite for pick in batched)
 
 
 def test_the_nucleus_of_many_rows_is_each_rows_own():
@@ -166,3 +167,29 @@ def test_the_nucleus_of_many_rows_is_each_rows_own():
     for row, p, kept in zip(probs, top_p, cut, strict=True):
         expected = _nucleus_of(row[None], *torch.sort(row[None], descending=True), torch.tensor([[p]]))[0]
         assert torch.equal(kept > 0, expected > 0)
+
+
+def test_rows_with_bias_penalties_a_grammar_and_logprobs_are_chosen_together_as_alone():
+    """Every kind of row in one batched pick (bias, penalties, a grammar's bitmask, logprobs,
+    greedy and sampled): each row's token and logprobs are those it gets alone, token after token."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 3
+    ban = pack(torch.arange(300) % 3 != 0)  # a grammar that forbids every third token
+
+    def samplers() -> list[Sampler]:
+        grammar = _BanFirst()
+        grammar.bitmask = ban
+        return [Sampler(SamplingParams(8, 0.0, logit_bias=((7, 50.0),))),
+                Sampler(SamplingParams(8, 0.8, 0.9, seed=1, frequency_penalty=1.5, presence_penalty=0.5)),
+                Sampler(SamplingParams(8, 0.0, logprobs=True, top_logprobs=3), grammar),  # type: ignore[arg-type]
+                Sampler(SamplingParams(8, 0.0)),
+                Sampler(SamplingParams(8, 1.1, seed=2, logprobs=True))]
+
+    alone_samplers, batch = samplers(), samplers()
+    for _ in range(3):
+        alone = [s.next_token(row) for s, row in zip(alone_samplers, logits, strict=True)]
+        picks = device_picks(logits, batch).read()
+        assert [p.token for p in picks] == alone
+        assert [p.logprob for p in picks] == [s.last_logprob for s in alone_samplers]
+    assert alone[0] == 7 and alone[2] % 3 != 0
+    entry = picks[2].logprob
+    assert entry is not None and len(entry.top) == 3 and all(token % 3 for token, _ in entry.top)
