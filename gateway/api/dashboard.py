@@ -244,9 +244,12 @@ class Window:
         body: dict[str, Any] = {"t": self.start_s}
         for label, state in self.series.items():
             mean_s = state.sum_s / state.count
-            # one request is its own p50 and p95; bucket interpolation would only blur it
+            # one request is its own p50 and p95; bucket interpolation would only blur it, and could
+            # put a quantile above the slowest request (544 s in a 160-640 s bucket whose one request took 338)
+            slowest_s = max_bound(bounds, state.counts, state.sum_s)
             p50_s, p95_s = ((mean_s, mean_s) if state.count == 1 else
-                            (quantile(0.5, bounds, state.counts), quantile(0.95, bounds, state.counts)))
+                            (min(quantile(0.5, bounds, state.counts), slowest_s),
+                             min(quantile(0.95, bounds, state.counts), slowest_s)))
             body[label] = {"count": int(state.count), "mean_ms": 1000 * mean_s,
                            "p50_ms": 1000 * p50_s, "p95_ms": 1000 * p95_s}
         return body
@@ -343,6 +346,21 @@ def read_histogram(families: Iterable[Metric],
             else:
                 state.sum_s = sample.value
     return sorted(bounds), series
+
+
+def max_bound(bounds: list[float], cumulative: list[float], sum_s: float) -> float:
+    """The most the slowest observation can be, from the histogram alone: no more than its bucket's
+    upper bound, and no more than the sum less the least every other observation can be (the
+    lower bound of its bucket). Exact for one observation; for two, off by at most the other's
+    distance from its bucket's lower bound. Not Prometheus': histogram_quantile ignores the sum."""
+    counts = [b - a for a, b in zip([0.0, *cumulative[:-1]], cumulative, strict=True)]
+    lowers = [0.0, *bounds]  # bucket i holds (lowers[i], uppers[i]]; the last is +Inf's
+    uppers = [*bounds, math.inf]
+    top = max((i for i, n in enumerate(counts) if n > 0), default=None)
+    if top is None:
+        return math.inf
+    others_least = sum(n * lower for n, lower in zip(counts, lowers, strict=True)) - lowers[top]
+    return min(uppers[top], sum_s - others_least)
 
 
 def quantile(q: float, bounds: list[float], cumulative: list[float]) -> float:

@@ -40,7 +40,8 @@
     ms(x) {
       if (x == null || !isFinite(x)) return "—";
       if (x === 0) return "0 ms";
-      if (x >= 1000) return `${(x / 1000).toFixed(2)} s`;
+      if (x >= 100000) return `${Math.round(x / 1000)} s`;
+      if (x >= 1000) return `${(x / 1000).toFixed(x >= 10000 ? 1 : 2)} s`;
       return x < 10 ? `${x.toFixed(1)} ms` : `${Math.round(x)} ms`;
     },
     bytes(n) {
@@ -297,12 +298,12 @@
       const [x, y] = xy[i];
       if (value > s.yMax) {
         clipped += 1;
+        // coloured by class (dashboard.css): the page's CSP (style-src 'self') refuses style attributes
         const mark = svg("polygon", {points: `${x - 5},${y + 6} ${x + 5},${y + 6} ${x},${y - 3}`,
-          class: `${label} clipped`, style: `fill: var(--${label})`});
+          class: `${label} clipped`});
         mark.append(title);
         chart.append(mark);
-        chart.append(svg("text", {x: x + 7, y: y + 8, class: "axis clipped", style: `fill: var(--${label})`},
-          fmt.ms(value)));
+        chart.append(svg("text", {x: x + 7, y: y + 8, class: `axis clipped ${label}`}, fmt.ms(value)));
         return;
       }
       const dot = svg("circle", {cx: x, cy: y, r: 3, class: label});
