@@ -378,10 +378,10 @@ class Engine:
 
     def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step may be launched before this one is read: nothing waits that
-        could run (a held job of a tenant at its share of a full batch cannot: a row must end
-        first; intake.py `waiting_turn`), no client is gone, and no row ends by `max_tokens` with
-        the token being read."""
-        if self._intake.waiting_turn(self._running, self.max_batch):
+        could run (jobs waiting for a full batch cannot: a row must end first, and then this is
+        false), no client is gone, and no row ends by `max_tokens` with the token being read."""
+        waiting = self._intake.depth
+        if waiting and (len(self._running) < self.max_batch or self._intake.tasks_waiting):
             return False
         return bool(seqs) and all(
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
