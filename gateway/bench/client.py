@@ -44,6 +44,7 @@ class Sample:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     token_chunks: int = 0  # chunks that carried content or a tool call (tokens when there is no usage)
+    tool_calls: int = 0  # calls the answer made (each call's first delta carries its id)
     error: str | None = None
     server_timing_ms: dict[str, float] | None = None  # from a Server-Timing header, if any
     client_prep_s: float = 0.0  # the client library's work before the first byte was sent
@@ -237,6 +238,7 @@ class BenchClient:
                 on_chunk(chunk)
             if _has_token(chunk):
                 sample.token_chunks += 1
+                sample.tool_calls += _calls_opened(chunk)
                 if sample.ttft_s is None:
                     sample.ttft_s = time.perf_counter() - started
                     if on_first_token is not None:
@@ -295,6 +297,11 @@ def _has_token(chunk: dict[str, Any]) -> bool:
         if delta.get("content") or delta.get("tool_calls"):
             return True
     return False
+
+
+def _calls_opened(chunk: dict[str, Any]) -> int:
+    deltas = [choice.get("delta") or {} for choice in chunk.get("choices") or ()]
+    return sum(1 for delta in deltas for call in delta.get("tool_calls") or () if call.get("id"))
 
 
 def _take_usage(sample: Sample, usage: dict[str, Any]) -> None:

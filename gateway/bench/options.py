@@ -84,9 +84,9 @@ def register(sub: Any) -> None:
                    help="constrained scenario, for random-weight test models: bound every open string, list and "
                         "number of the schemas, one call per answer, no json_object rows")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
-    p.add_argument("--tool-choice", choices=("none", "auto"), default="none",
-                   help="none (default): the tools stay in the prompt and text streams as generated, so TTFT "
-                        "measures prefill; auto: toolkv holds a tool call back until it is complete")
+    p.add_argument("--tool-choice", choices=("none", "auto"), default="auto",
+                   help="auto (default, the product's path): every request has a grammar, and a call streams "
+                        "once its name is known; none: the tools stay in the prompt, no grammar")
     p.add_argument("--tools-in-system", action="store_true",
                    help="write the tools into the system message instead of `tools` (for servers whose chat "
                         "template drops tools, e.g. llama.cpp's chatml): every server sees the same text")

@@ -31,6 +31,7 @@ from gateway.bench.context import ScenarioResult
 from gateway.bench.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
 from gateway.bench.floor import FloorResult
 from gateway.bench.floor_report import FLOOR_SHARES_CPU, floor_dict, floor_lines, hit_overhead
+from gateway.bench.forced import forced_lines
 from gateway.bench.history_report import history_lines, history_stats, history_target
 from gateway.bench.hostile import hostile_lines, hostile_targets
 from gateway.bench.memory import memory_lines
@@ -287,6 +288,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "
                      f"{r['restart_speedup']}x faster than the miss before it (restart took {r['restart_s']} s)")
     lines += concurrency_lines(s)
+    lines += forced_lines(s)
     if "soak" in s and not s["soak"].get("skipped"):
         k = s["soak"]
         shown = ", ".join(f"{r['rss_mb']:,.0f}" for r in k["rss_mb"] if r["rss_mb"] is not None)

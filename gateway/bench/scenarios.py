@@ -34,6 +34,7 @@ from gateway.bench.context import Context, Plan, ScenarioResult
 from gateway.bench.conversations import run_agent, run_history
 from gateway.bench.fleet import planned as fleet_planned
 from gateway.bench.fleet import run_fleet
+from gateway.bench.forced import with_forced_tokens
 from gateway.bench.history import expected_requests
 from gateway.bench.hostile import planned as hostile_planned
 from gateway.bench.hostile import run_hostile_soak
@@ -253,15 +254,15 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("single", run_single, lambda p: 1 + p.requests + max(p.misses - 1, 0) + p.bypass),
+    Scenario("single", with_forced_tokens(run_single), lambda p: 1 + p.requests + max(p.misses - 1, 0) + p.bypass),
     Scenario("toolcount", run_toolcount, lambda p: len(p.tool_counts) * (1 + p.hits_per_count)),
     Scenario("interleaved", run_interleaved, lambda p: p.groups * p.rounds),
     Scenario("restart", run_restart, lambda p: 3),
-    Scenario("concurrent", run_concurrent,
+    Scenario("concurrent", with_forced_tokens(run_concurrent),
              lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client),
     Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
     Scenario("soak", run_soak, lambda p: p.soak_requests),
-    Scenario("agent", run_agent, lambda p: p.agent_turns),
+    Scenario("agent", with_forced_tokens(run_agent), lambda p: p.agent_turns),
     Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
                                                                  turns=p.history_turns, words=p.history_words)),
     Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
