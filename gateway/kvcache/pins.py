@@ -22,8 +22,8 @@ read or parsed never wipes the pins this process knows: they are kept (with a wa
 next change writes them over it; never a failed start. The file holds at most `_MAX_RECORDS`
 (retentions that end first give way; pins are bounded by `pinned_budget_bytes`), so a full file
 is always under the size a reader takes. Another process's pin change is seen by a listing at
-once (`refresh`: a stat, and a parse when the file changed) and by eviction within a second (a
-stat on the background thread, started by a look at a level; never on the engine's thread). A retention deadline is
+once (`refresh`: a stat, and a parse when the file changed) and by eviction within a second (the
+same on a watcher thread, every `_REFRESH_EVERY_S`; never on the engine's thread). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
 waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory. In
 memory too, at most `_MAX_RECORDS` holds are kept (past an eighth more, the retentions that end
@@ -125,15 +125,17 @@ class Pins:
         self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
         self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
         self._flush_pending = False
-        self._refreshed_at = time.monotonic()
-        self._refresh_pending = False
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkv-pins")
+        self._closed = threading.Event()
         self.refresh()
+        self._watcher: threading.Thread | None = None
+        if self.path is not None:
+            self._watcher = threading.Thread(target=self._watch, name="toolkv-pins-watch", daemon=True)
+            self._watcher.start()
 
     # ---- reading -------------------------------------------------------------------------------
 
     def level(self, digest: str, now: float | None = None) -> Level:
-        self._refresh_soon()
         with self._lock:
             hold = self._holds.get(digest)
         if hold is None:
@@ -175,7 +177,6 @@ class Pins:
 
     def pinned(self) -> dict[str, int]:
         """Pinned digests and their bytes."""
-        self._refresh_soon()
         with self._lock:
             return {d: h.num_bytes for d, h in self._holds.items() if h.pinned}
 
@@ -289,24 +290,20 @@ class Pins:
                     self._replace(self._merged(on_file))
             self._seen = seen
 
-    def _refresh_soon(self) -> None:
-        """`refresh` on the background thread, at most once a `_REFRESH_EVERY_S`: eviction (the
-        engine thread) asks for levels, and must never wait for the disk or parse the file."""
-        if self.path is None or self._refresh_pending or time.monotonic() - self._refreshed_at < _REFRESH_EVERY_S:
-            return
-        self._refreshed_at, self._refresh_pending = time.monotonic(), True
-        try:
-            self._saver.submit(self._refresh_in_background)
-        except RuntimeError:  # shut down
-            self._refresh_pending = False
-
-    def _refresh_in_background(self) -> None:
-        try:
-            self.refresh()
-        finally:
-            self._refresh_pending = False
+    def _watch(self) -> None:
+        """Take in another process's changes every `_REFRESH_EVERY_S` (a stat; a parse only when
+        the file changed), so eviction, which asks for levels on the engine thread and never waits
+        for the disk, sees them within that, busy or idle."""
+        while not self._closed.wait(_REFRESH_EVERY_S):
+            try:
+                self.refresh()
+            except Exception:  # the watch must outlive any one bad read
+                log.exception("reading %s failed", PINS_FILE)
 
     def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join()
         self._saver.shutdown(wait=True)
 
     # ---- the file ------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ store.close()
 _ON_A_FULL_DISK = """
 import json, resource, signal, sys
 from pathlib import Path
+from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.pins import PinsNotSaved
 from tests.kvcache.entries import IDENTITY, make_entry
