@@ -96,7 +96,7 @@ def create_app(settings: Settings, runtime_factory: RuntimeFactory = build_runti
     app.include_router(cache_routes.router)
     responses_api.install(app)
     app.include_router(completions_api.router)
-    app.include_router(messages_api.router)
+    messages_api.install(app)
     app.include_router(dashboard.router)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -38,9 +38,9 @@ from gateway.api.messages_stream import (
     stop_reason,
     usage_of,
 )
+from gateway.api.threads import ThreadStore, ThreadTurn, threaded
 from gateway.edge.request_id import new_request_id
 from gateway.errors import APIError, in_terms_of, named_by
-from gateway.metrics import Metrics
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.messages import CountTokensRequest, MessagesRequest, chat_body, messages_param
@@ -52,10 +52,24 @@ from gateway.serving.runtime import Runtime, loaded_runtime
 router = APIRouter(include_in_schema=False)
 
 
+def install(app: FastAPI) -> None:
+    """The routes, and the store of message threads (bounded as the Responses store is, by
+    `max_stored_responses`, `max_stored_response_bytes` per key and
+    `max_stored_response_bytes_total`, its own budget)."""
+    settings = app.state.settings
+    app.state.threads = ThreadStore(settings.max_stored_responses, settings.max_stored_response_bytes,
+                                    settings.max_stored_response_bytes_total)
+    budgets = app.state.metrics.memory_budget_bytes
+    budgets.labels(structure="message_threads").set(settings.max_stored_response_bytes_total)
+    budgets.labels(structure="message_threads_per_key").set(settings.max_stored_response_bytes)
+    app.include_router(router)
+
+
 @dataclass(frozen=True, slots=True)
 class Planned:
     req: MessagesRequest
     prepared: Prepared
+    thread: ThreadTurn | None = None  # a threaded request: keep its reply
 
 
 @router.post("/v1/messages")
@@ -63,8 +77,8 @@ async def create_message(request: Request) -> Response:
     async def respond(planned: Planned, release: Release) -> Response:
         runtime = loaded_runtime(request.app.state)
         if not planned.req.stream:
-            return await whole_json(request, runtime, planned.prepared, _whole(runtime, planned.prepared))
-        return await _streamed(request, runtime, planned.prepared, release)
+            return await whole_json(request, runtime, planned.prepared, _whole(request.app.state, runtime, planned))
+        return await _streamed(request, runtime, planned, release)
 
     return await serve_generation(request, new_message_id(), _plan, respond)
 
@@ -90,40 +104,56 @@ def _plan_count(arrival: Arrival) -> Planned:
 
 
 def _prepared(arrival: Arrival, req: MessagesRequest) -> Planned:
+    req, thread = threaded(req, arrival.state.threads, arrival.tenant.salt)  # a continue: the whole conversation
     body = chat_body(req)  # its own errors name Messages fields already
     with named_by(messages_param):
         try:
             chat_req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
-        return Planned(req, prepare_chat(arrival, chat_req))
+        return Planned(req, prepare_chat(arrival, chat_req), thread)
 
 
-async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
+def _keep(state: Any, planned: Planned, content: list[dict[str, Any]]) -> None:
+    """A threaded request's reply, kept (with the conversation) under its message's id."""
+    thread = planned.thread
+    if thread is not None:
+        state.threads.put(thread.tenant, planned.prepared.request_id, thread.record(content), thread.continues)
+
+
+async def _whole(state: Any, runtime: Runtime, planned: Planned) -> dict[str, Any]:
+    prepared = planned.prepared
     with named_by(messages_param):  # a schema found too large while generating, say
         answer = await runtime.service.complete(prepared)
-    return message_body(prepared.request_id, prepared.model_name, content_of(answer),
+    content = content_of(answer)
+    _keep(state, planned, content)
+    return message_body(prepared.request_id, prepared.model_name, content,
                         stop_reason(answer.finish_reason, answer.stop_sequence), usage_of(answer.usage),
                         answer.stop_sequence)
 
 
-async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, release: Release) -> Response:
-    answer = runtime.service.stream(prepared)
+async def _streamed(request: Request, runtime: Runtime, planned: Planned, release: Release) -> Response:
+    answer = runtime.service.stream(planned.prepared)
     # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
     # is still queued cancels it (the chat service records its 499).
     first = await unless_disconnected(request, anext(answer))
     if first is GONE:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = _events(chain(first, answer), prepared, request.app.state.metrics)
-    return sse_response(request.app.state, prepared, events, release)
+    events = _events(chain(first, answer), planned, request.app.state)
+    return sse_response(request.app.state, planned.prepared, events, release)
 
 
-async def _events(answer: AsyncIterator[AnswerEvent], prepared: Prepared,
-                  metrics: Metrics) -> AsyncIterator[dict[str, str]]:
+async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, state: Any) -> AsyncIterator[dict[str, str]]:
+    """The answer's events; a threaded reply is kept once the message is whole (a stream that
+    ends early keeps nothing: the SDKs start a new thread then)."""
+    prepared, metrics = planned.prepared, state.metrics
     stream = MessageEvents(prepared.request_id, prepared.model_name)
     try:
         async for answer_event in answer:
-            for event in stream.feed(answer_event):
+            events = stream.feed(answer_event)
+            if stream.ended:
+                _keep(state, planned, stream.content)
+            for event in events:
                 yield _sse(event)
     except APIError as exc:
         for event in stream.fail(in_terms_of(exc, messages_param).message, exc.status_code):

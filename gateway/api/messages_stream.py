@@ -91,13 +91,17 @@ def message_body(message_id: str, model: str, content: list[dict[str, Any]], rea
 
 
 class MessageEvents:
-    """Answer events in (`feed`), Messages events out; `fail` ends the message early."""
+    """Answer events in (`feed`), Messages events out; `fail` ends the message early. `content`
+    is the message's blocks as a client accumulates them (whole once `ended`)."""
 
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id = message_id
         self.model = model
         self.blocks = 0  # content blocks opened so far (the open one is the last)
         self.open: Literal["text", "tool_use"] | None = None
+        self.content: list[dict[str, Any]] = []
+        self.ended = False
+        self._input_json = ""  # the open tool_use block's input so far
 
     def feed(self, event: AnswerEvent) -> list[dict[str, Any]]:
         if isinstance(event, Started):
@@ -111,8 +115,10 @@ class MessageEvents:
         if isinstance(event, CallArguments):
             if not event.fragment or self.open != "tool_use":
                 return []
+            self._input_json += event.fragment
             return [self._delta({"type": "input_json_delta", "partial_json": event.fragment})]
         events = self._close()  # Ended: the closing events, with the whole answer's usage
+        self.ended = True
         reason = stop_reason(event.finish_reason, event.stop_sequence)
         events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": event.stop_sequence},
                        "usage": usage_of(event.usage)})
@@ -130,11 +136,14 @@ class MessageEvents:
         if self.open != "text":
             events += self._close() + self._start(text_block(""), "text")
         events.append(self._delta({"type": "text_delta", "text": text}))
+        self.content[-1]["text"] += text
         return events
 
     def _start(self, block: dict[str, Any], kind: Literal["text", "tool_use"]) -> list[dict[str, Any]]:
         self.open = kind
         self.blocks += 1
+        self.content.append(dict(block))
+        self._input_json = ""
         return [{"type": "content_block_start", "index": self.blocks - 1, "content_block": block}]
 
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
@@ -143,5 +152,7 @@ class MessageEvents:
     def _close(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
+        if self.open == "tool_use":
+            self.content[-1]["input"] = tool_input(self._input_json)
         self.open = None
         return [{"type": "content_block_stop", "index": self.blocks - 1}]

@@ -69,7 +69,8 @@ def _rendered(request: Request, envelope: dict[str, Any], status: int,
               headers: dict[str, str] | None = None) -> JSONResponse:
     """The error as OpenAI's envelope, or on the Messages API's paths as Anthropic's."""
     if is_messages_path(request.url.path):
-        envelope = anthropic_error(envelope["error"]["message"], status, envelope["error"]["param"])
+        error = envelope["error"]
+        envelope = anthropic_error(error["message"], status, error["param"], error.get("code"))
     return JSONResponse(envelope, status_code=status, headers=headers)
 
 

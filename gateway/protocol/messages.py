@@ -64,7 +64,8 @@ BLOCK_TAGS = {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult"
 
 
 def _block_kind(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else None
+    """The tag of a block, a dict when validating or a model when serializing."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return BLOCK_TAGS.get(kind, "Text") if isinstance(kind, str) else "Text"
 
 
@@ -111,6 +112,20 @@ ToolChoice = Annotated[Annotated[AutoChoice, Tag("[auto]")] | Annotated[AnyChoic
                        | Annotated[ToolChoiceNamed, Tag("[tool]")] | Annotated[NoneChoice, Tag("[none]")],
                        Discriminator(bracketed_type, custom_error_type="tool_choice_type",
                                      custom_error_message="'type' must be 'auto', 'any', 'tool' or 'none'")]
+
+
+class ThreadCreate(Lenient):
+    type: Literal["create"]
+
+
+class ThreadContinue(Lenient):
+    type: Literal["continue"]
+    previous_message_id: str = Field(min_length=1, max_length=200)
+
+
+Thread = Annotated[Annotated[ThreadCreate, Tag("[create]")] | Annotated[ThreadContinue, Tag("[continue]")],
+                   Discriminator(bracketed_type, custom_error_type="thread_type",
+                                 custom_error_message="'type' must be 'create' or 'continue'")]
 
 
 class Metadata(Lenient):
@@ -163,6 +178,7 @@ class MessagesRequest(Lenient):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None  # automatic caching: what toolkv does anyway
+    thread: Thread | None = None  # gateway/api/threads.py
 
     @model_validator(mode="before")
     @classmethod
@@ -350,10 +366,19 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+THREAD_NOT_FOUND = "thread_not_found"
+DETAILED_CODES = frozenset({THREAD_NOT_FOUND})  # Anthropic's `error_code`s toolkv gives, which the SDKs act on
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """Anthropic's error envelope; its `type` follows the status, as Anthropic's do. It has no
-    `param`: a message that does not name the field it is about starts with it (`tools[0].type: `)."""
+    `param`: a message that does not name the field it is about starts with it (`tools[0].type: `).
+    An error the SDKs act on (a thread not found: they replay the conversation) names its
+    `details.error_code`."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     if param and param not in message:
         message = f"{param}: {message}"
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    error: dict[str, Any] = {"type": kind, "message": message}
+    if code in DETAILED_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
