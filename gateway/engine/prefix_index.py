@@ -99,14 +99,31 @@ class Record:
         return self.run.count
 
 
-class Conversations:
-    """Conversation records: indexed by their hash chains, least recently used first."""
+MAX_RECORD_BYTES = 64 * 1024**2  # the records' tokens and chains, beside the pool blocks they hold
+_TOKEN_BYTES = 40  # a tuple slot and an int object (ids past 256 are objects of their own)
+_HASH_BYTES = 200  # a 32-byte digest object, its list slot and its node in the index
+_RECORD_OVERHEAD_BYTES = 400
 
-    def __init__(self, block_tokens: int) -> None:
+
+def record_bytes(record: Record) -> int:
+    """What a record holds in Python (its blocks are the pool's): its whole prompt's token ids
+    and block chain, though its run holds only the blocks after the group."""
+    return len(record.tokens) * _TOKEN_BYTES + len(record.hashes) * _HASH_BYTES + _RECORD_OVERHEAD_BYTES
+
+
+class Conversations:
+    """Conversation records: indexed by their hash chains, least recently used first. The pool
+    bounds their blocks; `max_bytes` bounds what they hold beside them (a record of one block
+    keeps its whole prompt's ids and chain: many long prompts with short own parts held far more
+    than their blocks), the least recently used going first."""
+
+    def __init__(self, block_tokens: int, max_bytes: int = MAX_RECORD_BYTES) -> None:
         self.block_tokens = block_tokens
+        self.max_bytes = max_bytes
         self._index: ChainIndex[Record] = ChainIndex()
         self._records: OrderedDict[int, Record] = OrderedDict()  # id(record) -> record, oldest first
         self.num_blocks = 0
+        self.num_bytes = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -145,6 +162,9 @@ class Conversations:
         self._records[id(record)] = record
         self._index.add(record, record.hashes)
         self.num_blocks += record.num_blocks
+        self.num_bytes += record_bytes(record)
+        while self.num_bytes > self.max_bytes and len(self._records) > 1:
+            self.evict_oldest()
 
     def evict_oldest(self) -> bool:
         """Drop the least recently used record, giving its blocks back; False when none is left."""
@@ -167,6 +187,7 @@ class Conversations:
         del self._records[id(record)]
         self._index.discard(record, record.hashes)
         self.num_blocks -= record.num_blocks
+        self.num_bytes -= record_bytes(record)
         record.run.release()
 
 

@@ -12,8 +12,8 @@ Each bound is exported as a gauge on /metrics, read here as a client reads it.
 
 And what each store really holds, measured with tracemalloc (deterministic, unlike RSS on a shared
 machine) against its configured bound (issue 36, item 3): the Responses store (it kept parsed
-objects ~20 times their counted JSON), the schema memo, the pins and retentions; the metrics'
-label sets stay fixed whatever clients send."""
+objects ~20 times their counted JSON), the schema memo, the pins and retentions, the conversation
+records; the metrics' label sets stay fixed whatever clients send."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api.responses.store import (
@@ -36,7 +37,9 @@ from gateway.api.responses.store import (
 )
 from gateway.edge.auth import tenant_salt
 from gateway.engine.constraints import grammar_bytes
+from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache import pins as pins_module
+from gateway.kvcache.block_pool import BlockPool, PoolShape
 from gateway.kvcache.pins import Pins
 from gateway.serving.schema_memo import SchemaMemo
 from gateway.settings import load_settings
@@ -309,6 +312,28 @@ def test_a_flood_of_retentions_holds_a_bounded_number_of_records():
     assert isinstance(pins, Pins) and len(pins.retained()) <= bound + bound // 8
     assert held <= (bound + bound // 8) * 400, f"{held} bytes for {len(pins.retained())} records"
     assert f"{bound * 3 // 2 - 1:064x}" in pins.retained()  # the latest deadlines stay
+
+
+def test_conversation_records_hold_no_more_than_their_bound():
+    """A record holding one block kept its whole prompt's ids and chain: long prompts with a short
+    own part held ~180 KB each beside an 8-byte block, bounded by nothing but the pool's blocks."""
+    pool = BlockPool(PoolShape(1, 1, 2, torch.float32), 16 * 4 * 400, 4, torch.device("cpu"))  # 400 blocks
+    budget = 1024**2
+
+    def fill() -> Conversations:
+        conversations = Conversations(block_tokens=4, max_bytes=budget)
+        for n in range(300):
+            tokens = tuple(range(10_000 * n + 1000, 10_000 * n + 3000))  # a 2,000-token prompt, ids past 256
+            run = pool.allocate(4)  # its own part: one block after a long group
+            assert run is not None
+            conversations.add(Record(tokens, len(tokens) - 4, frozenset({len(tokens)}), run,
+                                     chain_hashes(b"tenant", tokens, 4)))
+        return conversations
+
+    held, conversations = traced_growth(fill)
+    assert isinstance(conversations, Conversations) and 0 < conversations.num_bytes <= budget
+    assert held <= budget, f"{held} bytes held by {len(conversations)} records"
+    assert pool.num_used == conversations.num_blocks  # evicted records gave their blocks back
 
 
 def series_count(live: LiveServer) -> int:
