@@ -34,7 +34,7 @@ from gateway.proxy.bounded import Unreadable, fetch, passed_headers, passed_stat
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.fleet.routes import fleet_routes
 from gateway.proxy.fleet.view import FleetView, upstream_view
-from gateway.proxy.forward import Answer, Bounds, Forwarder, Opened, answer_usage
+from gateway.proxy.forward import JSON_HEADERS, Answer, Bounds, Forwarder, Opened, answer_usage, json_object
 from gateway.proxy.headers import upstream_headers
 from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
@@ -165,9 +165,11 @@ async def _stored(request: Request, response_id: str, rest: str) -> Response:
         raise BadGateway(f"the upstream that stored this response answered badly: {exc}") from None
     if not passed_status(resp.status_code):
         raise BadGateway(f"the upstream that stored this response answered {resp.status_code}")
+    if json_object(content) is None:  # an HTML error page, say: not an answer of this API
+        raise BadGateway(f"the upstream that stored this response answered {resp.status_code} without a JSON object")
     if request.method == "DELETE" and resp.status_code == 200:
         homes.forget(tenant.salt, response_id)
-    return Response(content, status_code=resp.status_code, headers=passed_headers(resp.headers))
+    return Response(content, status_code=resp.status_code, headers=passed_headers(resp.headers, JSON_HEADERS))
 
 
 def _endpoint(kind: Kind) -> Callable[[Request], Awaitable[Response]]:

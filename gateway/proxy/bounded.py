@@ -12,10 +12,14 @@ import anyio
 import httpx
 
 # An upstream's response headers a client gets; everything else (Set-Cookie, CORS, Location and
-# other redirect headers, hop-by-hop headers, the upstream's Server and Date) stays at the proxy.
-PASSED_HEADERS = frozenset({"content-type", "cache-control", "retry-after", "x-toolkv-cache", "server-timing",
-                            "openai-processing-ms", "openai-version"})
+# other redirect headers, hop-by-hop headers, the upstream's Server and Date) stays at the proxy. No
+# Content-Type either: the proxy says its own (JSON, or an event stream), whatever the upstream said.
+PASSED_HEADERS = frozenset({"cache-control", "retry-after", "server-timing", "openai-processing-ms",
+                            "openai-version"})
 PASSED_PREFIXES = ("x-ratelimit-",)
+# toolkv's own header: a toolkv upstream's word on its cache, passed only as toolkv's API defines it
+CACHE_HEADER, CACHE_RESULTS = "x-toolkv-cache", frozenset({"hit", "miss", "bypass", "skip"})
+JSON_TYPE = "application/json"
 IDENTITY = frozenset({"", "identity"})
 
 
@@ -65,10 +69,12 @@ async def fetch(client: httpx.AsyncClient, method: str, url: str, *, limit: int,
 
 
 def passed_headers(headers: httpx.Headers, defaults: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The upstream's headers a client may see (PASSED_HEADERS), over `defaults`."""
+    """The upstream's headers a client may see (PASSED_HEADERS, and `X-Toolkv-Cache` with one of
+    toolkv's values), over `defaults` (the proxy's own, Content-Type among them)."""
     passed = {**(defaults or {})}
     passed.update((name, value) for name, value in headers.items()
-                  if (low := name.lower()) in PASSED_HEADERS or low.startswith(PASSED_PREFIXES))
+                  if (low := name.lower()) in PASSED_HEADERS or low.startswith(PASSED_PREFIXES)
+                  or (low == CACHE_HEADER and value in CACHE_RESULTS))
     return passed
 
 

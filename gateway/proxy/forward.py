@@ -23,7 +23,7 @@ import orjson
 
 from gateway.errors import BadGateway, UpstreamUnavailable, error_envelope
 from gateway.protocol.messages import error_body as anthropic_error
-from gateway.proxy.bounded import Unreadable, check_encoding, passed_headers, passed_status, read_body
+from gateway.proxy.bounded import JSON_TYPE, Unreadable, check_encoding, passed_headers, passed_status, read_body
 from gateway.proxy.events import EventSplitter, StreamBroken, body_usage, ends_stream, event_usage, has_data
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.metrics import Usage
@@ -33,7 +33,9 @@ from gateway.proxy.upstreams import Release, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no buffering on the way
+STREAM_HEADERS = {"content-type": "text/event-stream; charset=utf-8",
+                  "cache-control": "no-cache", "x-accel-buffering": "no"}  # no buffering on the way
+JSON_HEADERS = {"content-type": JSON_TYPE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,17 +164,19 @@ class Forwarder:
 
     def _answer(self, url: str, resp: httpx.Response, content: bytes,
                 headers: Mapping[str, str]) -> Answer | Failure:
-        """A whole answer a client may get: a JSON object with a 200, or the client's own error with
-        the credential the proxy sent (`headers`) written out of it; else the upstream's failure."""
+        """A whole answer a client may get: a JSON object with a 200, or the client's own error (a
+        JSON object too) with the credential the proxy sent (`headers`) written out of it; else the
+        upstream's failure (an HTML error page is not an answer of the API the proxy serves)."""
         self.metrics.upstream_requests.labels(upstream=url, status=str(resp.status_code)).inc()
         if not passed_status(resp.status_code):
             return Failure(url, answered=True, reason=f"status {resp.status_code}")
-        if resp.status_code != 200:
-            return Answer(url, resp.status_code, passed_headers(resp.headers), _without_credential(content, headers))
-        body = _json_object(content)
+        body = json_object(content)
         if body is None:
-            return Failure(url, answered=True, reason="a 200 whose body is not a JSON object")
-        return Answer(url, resp.status_code, passed_headers(resp.headers), content, body)
+            return Failure(url, answered=True, reason=f"a {resp.status_code} whose body is not a JSON object")
+        if resp.status_code != 200:
+            content = _without_credential(content, headers)
+        return Answer(url, resp.status_code, passed_headers(resp.headers, JSON_HEADERS), content,
+                      body if resp.status_code == 200 else None)
 
     def _failed(self, url: str, exc: Exception, answered: bool) -> Failure:
         """The failure, in the proxy's own words: an exception's text may quote the upstream's
@@ -233,7 +237,8 @@ class Forwarder:
         return b"".join(kept)
 
 
-def _json_object(content: bytes) -> dict[str, Any] | None:
+def json_object(content: bytes) -> dict[str, Any] | None:
+    """`content` as a JSON object; None when it is not one (an HTML error page, say)."""
     try:
         body = orjson.loads(content)
     except orjson.JSONDecodeError:
