@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from gateway.engine import fused_layers
+from gateway.engine import models
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
 from gateway.engine.events import CutOff, Job, Task, TooLarge
 from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
-from gateway.engine.model_runner import Backend, ModelRunner
+from gateway.engine.model_runner import Backend, ModelRunner, tensor_bytes
 from gateway.engine.outputs import OutputProcessor
 from gateway.engine.sampling import Picks, SamplingParams, device_picks
 from gateway.engine.scheduler import Scheduler, StepPlan
@@ -74,14 +74,12 @@ class Engine:
         self.store = store
         self.device = device
         self.max_batch = max_batch
-        # Before the pool (the fused weights are new tensors: the old ones' memory goes back to the
-        # device first) and before the runner binds the linears (the fused ones are among them).
-        if fused:
-            fused_layers.fuse(model)
-        elif fused_layers.is_fused(model):  # a model an earlier engine fused
-            fused_layers.unfuse(model)
+        # Before the pool: toolkv's own model (or transformers' eager fallback, torch attention only).
+        step_model = models.build(model, backend, owned=fused)
+        backend = backend if step_model.kind == "owned" else "torch"
         self.pool = BlockPool(info.pool_shape, pool_bytes, block_tokens, device)
-        self.runner = ModelRunner(model, device, self.pool, backend=backend, batch_invariant=batch_invariant)
+        self.runner = ModelRunner(step_model, device, self.pool, backend=backend, batch_invariant=batch_invariant,
+                                  weights_bytes=tensor_bytes(model))
         # CUDA graphs, of chunk steps up to this many tokens (None: none; engine/cuda_graphs.py)
         self.graph_tokens = graph_tokens if backend == "triton" and device.type == "cuda" else None
         self.overlap = overlap  # decode steps launched one ahead (_decode_ahead)

@@ -1,17 +1,17 @@
 """CUDA graphs for the engine's steps, captured at start-up.
 
-A step with the Triton backend launches a few thousand small kernels (transformers' modules, one
-op at a time): ~35 ms of host time per forward of an 8B model on the kit's H100, whatever its
-size. Steps whose launch shapes depend only on a bucket are captured once and replayed:
+A step with the Triton backend launches hundreds of kernels (eight a decoder layer, with its
+products), each a few microseconds of host time, more than a small step's device work. Steps whose
+launch shapes depend only on a bucket are captured once and replayed:
 - a decode step of B rows, one token each (buckets 1, 2, 4, 8, then every 8 up to `max_rows`);
 - a step with prompt chunks of up to `cuda_graph_max_tokens` (512) in all, padded up to its bucket:
   one graph of chunks alone (a hit's suffix, an agent's new messages) and one of decode rows
   beside chunks (a new request joining running ones), per bucket. With `batch_invariant`, whose
   linears run per sequence, only a chunk alone is replayed, and an eager chunk's linears are
   padded to the rows its graph has (model_runner.py), so batched == alone still holds.
-The host writes the step's token ids, positions, pool slots and KV layout into static buffers and
-replays one graph. Padding tokens write one scratch token of the pool (`BlockPool.scratch_token`)
-and are rows of their own in every matrix product; padding sequences (decode rows, prompt tiles)
+The host writes the step's token ids, positions and KV layout into static buffers and replays one
+graph. Padding tokens belong to no sequence (nothing of theirs reaches the pool) and are rows of
+their own in every matrix product; padding sequences (decode rows, prompt tiles)
 point at a padding column of the layout with no queries and no keys, so they read nothing and
 write no output. The bucket, and so every kernel's shape, is a function of the step's token count
 (and whether it has decode rows) alone: a chunk served alone runs the same graph on a hit, a miss
@@ -109,12 +109,11 @@ class StepGraphs:
         # Static inputs, each family one buffer so a replay writes it with one copy (plain tensors,
         # written between steps, even when these graphs are made on the engine thread).
         with torch.inference_mode(False):
-            self._long = torch.zeros(3 * self.width + max_rows, dtype=torch.long, device=device)
+            self._long = torch.zeros(2 * self.width + max_rows, dtype=torch.long, device=device)
             self._int = torch.zeros(7 * self.columns + 2 * self.max_tiles, dtype=torch.int32, device=device)
         self._ids = self._long[:self.width].view(1, -1)
         self._positions = self._long[self.width:2 * self.width].view(1, -1)
-        self._slots = self._long[2 * self.width:3 * self.width]
-        self._last = self._long[3 * self.width:]
+        self._last = self._long[2 * self.width:]
         self._table = self._int[:7 * self.columns].view(7, self.columns)  # layout columns, decode rows
         self._tiles = self._int[7 * self.columns:].view(2, self.max_tiles)
         self._decode: dict[int, _Graph] = {}
@@ -138,7 +137,7 @@ class StepGraphs:
                 pool = self._capture_flat(size, mixed, pool)
         for size in reversed(self.decode_sizes):
             layout = self._layout(size, 0)
-            step = StepInputs([], [1] * size, self.runner.pool, layout, self._slots[:size])
+            step = self.runner.step_inputs([], [1] * size, layout)
             self._decode[size], pool = self._capture(size, step, None, pool, decode=size)
         if cuda:
             torch.cuda.synchronize(device)
@@ -154,8 +153,7 @@ class StepGraphs:
     def _capture_flat(self, size: int, mixed: bool, pool: Any) -> Any:
         decode = min(size, self.max_rows) if mixed else 0
         sampled = 1 if self.invariant else min(size, self.max_rows)
-        step = StepInputs([], [size], self.runner.pool, self._layout(decode, self._tiles_for(size)),
-                          self._slots[:size])
+        step = self.runner.step_inputs([], [size], self._layout(decode, self._tiles_for(size)))
         self._flat[(size, mixed)], pool = self._capture(size, step, self._last[:sampled], pool, decode=decode)
         return pool
 
@@ -207,7 +205,7 @@ class StepGraphs:
 
     def _write_padding(self) -> None:
         """Every row, tile and token padding (for capture)."""
-        self._write([], [], [], [[] for _ in range(6)], [], [], [])
+        self._write([], [], [[] for _ in range(6)], [], [], [])
 
     # ---- replay ------------------------------------------------------------------------------
 
@@ -241,18 +239,16 @@ class StepGraphs:
         """Write the step into the static buffers; False (nothing written) if it does not fit."""
         if len(flat.decode) > graph.decode or len(flat.tiles) > graph.tiles or len(rows) > graph.sampled:
             return False
-        self._write(flat.ids, flat.positions, flat.slots, layout_columns(rows, flat.sizes), flat.decode,
-                    flat.tiles, flat.last)
+        self._write(flat.ids, flat.positions, layout_columns(rows, flat.sizes), flat.decode, flat.tiles, flat.last)
         return True
 
-    def _write(self, ids: list[int], positions: list[int], slots: list[int], columns: list[list[int]],
+    def _write(self, ids: list[int], positions: list[int], columns: list[list[int]],
                decode: list[int], tiles: list[tuple[int, int]], last: list[int]) -> None:
         """Fill the static buffers: the step's values, then padding to their ends (one copy each)."""
         pad_tokens = self.width - len(ids)
         pad = self.max_rows  # the padding column: no queries (q_len 0), no keys (group and own length 0)
         scratch = self.runner.pool.scratch_token
-        longs = [*ids, *[0] * pad_tokens, *positions, *[0] * pad_tokens, *slots, *[scratch] * pad_tokens,
-                 *last, *[0] * (self.max_rows - len(last))]
+        longs = [*ids, *[0] * pad_tokens, *positions, *[0] * pad_tokens, *last, *[0] * (self.max_rows - len(last))]
         pad_columns = self.columns - len(columns[0])
         padding = (0, 0, 0, 0, scratch, 0)  # q_start, q_len, group_start, group_len, own_start, own_len
         ints = [value for column, fill in zip(columns, padding, strict=True)

@@ -12,7 +12,7 @@ import torch
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
 from adapters.toolcalls.vllm_names import adapter_for
-from gateway.engine import Engine, attention, fused_layers
+from gateway.engine import Engine, attention, models
 from gateway.engine.chunks import turn_opening
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
@@ -52,7 +52,8 @@ class Runtime:
         runner = self.engine.runner
         return {"device": str(self.loaded.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
                 "backend": runner.backend, "batch_invariant": runner.batch_invariant,
-                "fused_layers": fused_layers.is_fused(runner.model), "cuda_graphs": runner.graphs is not None,
+                "fused_layers": runner.model.kind == "owned", "cuda_graphs": runner.graphs is not None,
+                "model_impl": runner.model.kind,  # "owned", or "transformers" (the eager fallback)
                 "cuda_graph_max_tokens": max(runner.graphs.flat_sizes, default=0) if runner.graphs is not None else 0,
                 "cuda_graphs_captured": runner.graphs.num_captured if runner.graphs is not None else 0,
                 "cuda_graphs_eager": (runner.graphs.num_graphs - runner.graphs.num_captured
@@ -167,7 +168,7 @@ class EnginePlan:
         """What decides the KV bits besides the model and the chunks, for the cache key (a chunk
         replayed from a graph runs its products over its bucket's rows)."""
         graphs = f"-graphs{self.graph_tokens}" if self.graph_tokens else ""
-        return f"{self.backend}{'-fused' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}{graphs}"
+        return f"{self.backend}{'-owned' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}{graphs}"
 
 
 def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> EnginePlan:
@@ -181,7 +182,7 @@ def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> 
         elif settings.attention_backend == "triton":
             raise ModelLoadFailed("attention_backend = triton needs CUDA and Triton (pip install triton)")
     invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
-    fused = settings.fused_layers and (model is None or fused_layers.supports(model))
+    fused = settings.fused_layers and (model is None or models.supports(model))
     overlap = settings.decode_overlap if settings.decode_overlap is not None else gpu
     graphs = settings.cuda_graph_max_tokens if settings.cuda_graphs and backend == "triton" and gpu else None
     return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
