@@ -53,3 +53,17 @@ def test_a_key_flooding_retained_groups_never_makes_another_keys_group_miss(api:
     listing = api.get("/cache", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
     retained = [e for e in listing if e["retained_until"] is not None]
     assert sum(e["bytes"] for e in retained) <= 1.5 * max(e["bytes"] for e in listing)  # A's share, no more
+
+
+def test_pins_are_the_operators_a_tenants_key_cannot_pin(api: httpx.Client) -> None:
+    """Retention is a tenant's, within its share; pins are only the admin key's, within
+    pinned_budget_bytes: a tenant cannot buy its way past the shares with a pin."""
+    _chat(api, KEY_A, 0)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    [entry] = api.get("/cache", headers=admin).json()["data"]
+    for key in (KEY_A, KEY_B):
+        tenant = {"Authorization": f"Bearer {key}"}
+        assert api.post(f"/cache/{entry['id']}/pin", json={}, headers=tenant).status_code == 403
+        warm = api.post("/cache/warm", json={"system": GROUPS[1], "tools": _tools(1), "pin": True}, headers=tenant)
+        assert warm.status_code == 403
+    assert api.post(f"/cache/{entry['id']}/pin", json={}, headers=admin).json()["pinned"] is True
