@@ -172,7 +172,8 @@ def _mask(scores: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> N
     device, vocab = scores.device, scores.shape[-1]
     words = torch.stack(masks)
     words = (words.pin_memory() if device.type == "cuda" else words).to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> _BIT_SHIFTS.to(device)) & 1).bool().reshape(len(rows), -1)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)  # made there: a host copy would wait for the step
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)
     if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     allowed = allowed[:, :vocab]
@@ -182,8 +183,6 @@ def _mask(scores: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> N
     grammar_only = torch.zeros_like(masked).masked_fill_(~allowed, float("-inf"))
     scores.index_copy_(0, index, torch.where(dead, grammar_only, masked))
 
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
 
 
 def sample_scores(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
