@@ -53,6 +53,10 @@ class Metrics:
         self.ttft = Histogram("toolkv_time_to_first_token_seconds",
                               "Time from request arrival to the first generated token",
                               ["cache"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft_max = Gauge("toolkv_time_to_first_token_max_seconds",
+                              "The slowest time to first token since start, by cache result", ["cache"], registry=r)
+        self._ttft_max_s: dict[str, float] = {}
+        self._ttft_lock = threading.Lock()
         self.latency = Histogram("toolkv_e2e_request_latency_seconds", "End-to-end request latency",
                                  ["cache"], buckets=LATENCY_BUCKETS, registry=r)
         self.compile_seconds = Histogram("toolkv_prefix_compile_seconds",
@@ -141,6 +145,15 @@ class Metrics:
         self.engine = EngineView()
         self._engine_totals = TotalsTracker()
         self._engine_lock = threading.Lock()
+
+    def observe_ttft(self, cache: str, seconds: float) -> None:
+        """One request's time to first token: the histogram, and the slowest since start (the
+        dashboard keeps a window's quantiles at or below the slowest request it can hold)."""
+        self.ttft.labels(cache=cache).observe(seconds)
+        with self._ttft_lock:
+            if seconds > self._ttft_max_s.get(cache, 0.0):
+                self._ttft_max_s[cache] = seconds
+                self.ttft_max.labels(cache=cache).set(seconds)
 
     def observe_engine(self, stats: EngineStats, steps: Iterable[StepRecord], model_name: str) -> None:
         """Record one look at the engine: gauges from the snapshot, counters advanced by what the

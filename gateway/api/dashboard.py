@@ -32,6 +32,7 @@ MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; cha
                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 TTFT_LABELS = ("hit", "miss", "bypass")
 TTFT_HISTOGRAM = "toolkv_time_to_first_token_seconds"
+TTFT_MAX = "toolkv_time_to_first_token_max_seconds"  # the slowest since start (a gauge)
 MAX_GROUP_ROWS = 200
 
 page_router = APIRouter(include_in_schema=False)  # the page and its assets: no data, any app may serve them
@@ -42,6 +43,16 @@ class Collectable(Protocol):
     """A metric or a registry: what `collect()` gives is a list of families."""
 
     def collect(self) -> Iterable[Metric]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CollectedFamilies:
+    """Families collected once, read again as a `Collectable`."""
+
+    families: Sequence[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
 
 
 @page_router.get("/")
@@ -69,7 +80,7 @@ async def stats(request: Request) -> JSONResponse:
     metrics: Metrics = app.state.metrics
     families = list(metrics.registry.collect())
     windows = ttft_windows(app)
-    windows.sample(metrics.ttft, time.time())
+    windows.sample(CollectedFamilies(families), time.time())  # the TTFT histogram and its slowest
     points = windows.to_json()
     return JSONResponse({
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
@@ -213,10 +224,13 @@ def _pinned_row(digest: str, num_bytes: int, info: EntryInfo | None, in_ram: boo
 
 @dataclass(slots=True)
 class HistogramState:
-    """Cumulative bucket counts (last one is +Inf) and the sum of one labelled histogram series."""
+    """Cumulative bucket counts (last one is +Inf) and the sum of one labelled histogram series,
+    and the slowest observation since start when the gateway reports it (TTFT_MAX): no request
+    of a window took longer, and the window that set it holds exactly it."""
 
     counts: list[float]
     sum_s: float = 0.0
+    max_s: float | None = None
 
     @property
     def count(self) -> float:
@@ -226,13 +240,14 @@ class HistogramState:
         if before is None:
             return self
         counts = [a - b for a, b in zip(self.counts, before.counts, strict=True)]
-        return HistogramState(counts, self.sum_s - before.sum_s)
+        return HistogramState(counts, self.sum_s - before.sum_s, self.max_s)
 
     def plus(self, other: HistogramState) -> HistogramState:
         if not self.counts:
             return other
         counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
-        return HistogramState(counts, self.sum_s + other.sum_s)
+        maxima = [m for m in (self.max_s, other.max_s) if m is not None]
+        return HistogramState(counts, self.sum_s + other.sum_s, max(maxima) if maxima else None)
 
 
 @dataclass(slots=True)
@@ -246,7 +261,7 @@ class Window:
             mean_s = state.sum_s / state.count
             # one request is its own p50 and p95; bucket interpolation would only blur it, and could
             # put a quantile above the slowest request (544 s in a 160-640 s bucket whose one request took 338)
-            slowest_s = max_bound(bounds, state.counts, state.sum_s)
+            slowest_s = min(max_bound(bounds, state.counts, state.sum_s), state.max_s or math.inf)
             p50_s, p95_s = ((mean_s, mean_s) if state.count == 1 else
                             (min(quantile(0.5, bounds, state.counts), slowest_s),
                              min(quantile(0.95, bounds, state.counts), slowest_s)))
@@ -329,23 +344,26 @@ class SeriesKey:
     cache: str
 
 
-def read_histogram(families: Iterable[Metric],
-                   name: str = TTFT_HISTOGRAM) -> tuple[list[float], dict[SeriesKey, HistogramState]]:
-    """(finite bucket bounds, series -> state) of the `cache`-labelled histogram `name` among `families`."""
+def read_histogram(families: Iterable[Metric], name: str = TTFT_HISTOGRAM,
+                   max_name: str = TTFT_MAX) -> tuple[list[float], dict[SeriesKey, HistogramState]]:
+    """(finite bucket bounds, series -> state) of the `cache`-labelled histogram `name` among `families`,
+    with each series' slowest since start from the gauge `max_name` where there is one."""
     bounds: set[float] = set()
     series: dict[SeriesKey, HistogramState] = {}
     for family in families:
         for sample in family.samples:  # buckets come in ascending order within a series
-            if sample.name not in (name + "_bucket", name + "_sum"):
+            if sample.name not in (name + "_bucket", name + "_sum", max_name):
                 continue
             key = SeriesKey(sample.labels.get("replica", ""), sample.labels.get("cache", ""))
             state = series.setdefault(key, HistogramState([]))
             if sample.name.endswith("_bucket"):
                 state.counts.append(sample.value)
                 bounds.update([float(sample.labels["le"])] if sample.labels["le"] != "+Inf" else [])
+            elif sample.name == max_name:
+                state.max_s = sample.value
             else:
                 state.sum_s = sample.value
-    return sorted(bounds), series
+    return sorted(bounds), {key: state for key, state in series.items() if state.counts}
 
 
 def max_bound(bounds: list[float], cumulative: list[float], sum_s: float) -> float:

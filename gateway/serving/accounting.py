@@ -48,7 +48,7 @@ class Accounting:
         completion = outcome.completion_tokens  # a client that left: the tokens generated for it
         m.generated_tokens.inc(completion)
         if outcome.ttft_s is not None:
-            m.ttft.labels(cache=pre.result).observe(outcome.ttft_s)
+            m.observe_ttft(pre.result, outcome.ttft_s)
         total_s = time.perf_counter() - prepared.started
         m.latency.labels(cache=pre.result).observe(total_s)
         log.info("request done", extra={"toolkv": {

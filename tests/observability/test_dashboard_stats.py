@@ -195,10 +195,20 @@ def test_a_windows_quantiles_never_pass_its_slowest_request() -> None:
     windows = TtftWindows(window_s=10.0)
     for seconds in (338.0, 16.0):
         metrics.ttft.labels(cache="miss").observe(seconds)
-    windows.sample(metrics.ttft, now_s=5.0)
+    windows.sample(metrics.ttft, now_s=5.0)  # the histogram alone (a server without the max gauge)
     [window] = windows.to_json()
     assert 338_000.0 <= window["miss"]["p95_ms"] <= 344_000.0  # at most 354 s less the other's least, 10 s
     assert window["miss"]["p50_ms"] <= window["miss"]["p95_ms"]
+    tracked, windows = Metrics(), TtftWindows(window_s=10.0)
+    for seconds in (338.0, 16.0):
+        tracked.observe_ttft("miss", seconds)  # as the serving layer records a request
+    windows.sample(tracked.registry, now_s=5.0)
+    tracked.observe_ttft("miss", 20.0)
+    tracked.observe_ttft("miss", 18.0)
+    windows.sample(tracked.registry, now_s=15.0)
+    slow, later = windows.to_json()
+    assert slow["miss"]["p95_ms"] == pytest.approx(338_000.0)  # the slowest, tracked: exact
+    assert later["miss"]["p95_ms"] <= 20_000.0  # both in (10, 20]: the bucket's bound
 
 
 def test_max_bound_is_the_top_bucket_or_the_sum_less_the_others_least() -> None:

@@ -31,6 +31,7 @@ EXPECTED_FAMILIES: dict[str, tuple[str, set[str]]] = {
     "toolkv_prompt_tokens_computed": ("counter", set()),
     "toolkv_generation_tokens": ("counter", set()),
     "toolkv_time_to_first_token_seconds": ("histogram", {"cache"}),
+    "toolkv_time_to_first_token_max_seconds": ("gauge", {"cache"}),
     "toolkv_e2e_request_latency_seconds": ("histogram", {"cache"}),
     "toolkv_prefix_compile_seconds": ("histogram", set()),
     "toolkv_prefix_restore_seconds": ("histogram", set()),
