@@ -132,6 +132,8 @@ class MessageEvents:
     # ---- blocks --------------------------------------------------------------------------
 
     def _write_text(self, text: str) -> list[dict[str, Any]]:
+        if not text:  # never an empty text block (Anthropic refuses one sent back)
+            return []
         events: list[dict[str, Any]] = []
         if self.open != "text":
             events += self._close() + self._start(text_block(""), "text")

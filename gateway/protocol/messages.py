@@ -28,6 +28,7 @@ from gateway.protocol.fields import (
     UnsupportedValue,
     bracketed_type,
 )
+from gateway.protocol.messages_rules import check_rules
 
 
 class CacheControl(Lenient):
@@ -195,6 +196,11 @@ class MessagesRequest(Lenient):
             if isinstance(config, dict) and config.get("effort") not in (None, "high"):
                 raise UnsupportedField("output_config.effort")
         return data
+
+    @model_validator(mode="after")
+    def _anthropics_rules(self) -> MessagesRequest:
+        check_rules(self)  # breakpoints, blank text, stop sequences: gateway/protocol/messages_rules.py
+        return self
 
 
 class CountTokensRequest(MessagesRequest):

@@ -161,7 +161,7 @@ def test_output_config_format_gives_json_valid_for_the_schema(client):
 
 def test_cache_control_breakpoints_are_accepted(client, merchant_tools):
     tools = anthropic_tools(merchant_tools[50:52])
-    tools[-1]["cache_control"] = {"type": "ephemeral"}
+    tools[-1]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}  # longer TTLs first: tools, system, messages
     marked = {"type": "ephemeral"}
     message = client.messages.create(
         model=MODEL, max_tokens=2, extra_body=GREEDY, tools=tools, cache_control=marked, tool_choice={"type": "auto"},
@@ -190,6 +190,51 @@ def test_a_bad_request_is_anthropics_error_envelope(client, kwargs, words):
     assert caught.value.status_code == 400 and body["type"] == "error"
     assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == "invalid_request_error"
     assert words in body["error"]["message"]
+
+
+MARK, HOUR = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+
+
+def text(value: str, mark: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"type": "text", "text": value, **({"cache_control": mark} if mark else {})}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"messages": [{"role": "user", "content": [text(str(i), MARK) for i in range(5)]}]},
+     "A maximum of 4 blocks with cache_control may be provided. Found 5."),
+    ({"messages": [{"role": "user", "content": [text("a", MARK) for _ in range(4)]}], "cache_control": MARK},
+     "A maximum of 4 blocks with cache_control may be provided. Found 5."),
+    ({"tools": [{**ORDER_TOOL, "cache_control": MARK}], "system": [text("Be brief.", HOUR)], "messages": ask("Hi")},
+     "system[0].cache_control.ttl: a ttl='1h' cache_control block must not come after a ttl='5m' cache_control "
+     "block. Note that blocks are processed in the following order: `tools`, `system`, `messages`."),
+    ({"messages": [{"role": "user", "content": [text("Hi"), text("")]}]},
+     "messages[0].content[1].text: text content blocks must contain non-whitespace text"),
+    ({"messages": [{"role": "user", "content": [text(" \n")]}]},
+     "messages[0].content[0].text: text content blocks must contain non-whitespace text"),
+    ({"messages": [{"role": "user", "content": ""}]},
+     "messages[0]: all messages must have non-empty content except for the optional final assistant message"),
+    ({"messages": ask("Hi"), "stop_sequences": ["END", "\n"]},
+     "stop_sequences: each stop sequence must contain non-whitespace"),
+])
+def test_what_anthropic_refuses_is_refused_in_its_words(live, body, message):
+    """Fails on 8363295: each of these was answered as if honoured (issue 36, finding 6)."""
+    for path in ("/messages", "/messages/count_tokens"):
+        resp = httpx.post(live.api_url + path, json={"model": MODEL, "max_tokens": 4, **body}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"] == {"type": "invalid_request_error", "message": message}
+
+
+def test_what_anthropic_accepts_is_served(client):
+    """Four breakpoints, longer TTLs first; an assistant turn's blank text (a model may write it)."""
+    message = client.messages.create(
+        model=MODEL, max_tokens=2, extra_body=GREEDY, tools=[{**ORDER_TOOL, "cache_control": HOUR}],
+        system=[text("Be brief.", HOUR)], stop_sequences=["END"],
+        messages=[{"role": "user", "content": [text("Hi", MARK)]},
+                  {"role": "assistant", "content": [text(" "), {"type": "tool_use", "id": "toolu_1",
+                                                                "name": "get_order_details", "input": ORDER_ARGS}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok",
+                                                "cache_control": MARK}]}])
+    assert message.type == "message"
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=12),
