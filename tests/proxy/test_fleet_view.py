@@ -105,3 +105,13 @@ def test_an_upstream_gone_is_named_and_one_without_a_cache_api_is_left_out(toolk
         assert health["status"] == "degraded"
         assert [(u["url"], u["status"]) for u in health["upstreams"]] == [
             (first.base_url, "ok"), (vllm_like.base_url, "ok"), (gone.base_url, "unreachable")]
+
+
+def test_an_upstream_answer_over_the_cap_is_left_out_unread(toolkv_upstreams):
+    first, _ = toolkv_upstreams
+    assert len(httpx.get(first.base_url + "/metrics", timeout=30).content) > 1024
+    with proxy([first], upstream_max_body_bytes=1024) as live:
+        fleet = scrape(live.base_url, "/metrics/fleet")
+        assert "toolkv_proxy_requests_in_flight" in fleet  # the proxy's own, renamed
+        assert not [name for name in fleet if f'upstream="{first.base_url}"' in name
+                    and not name.startswith("toolkv_upstream_")]  # nothing of the upstream's own
