@@ -1,14 +1,16 @@
-"""Property-based fuzz over all four APIs (chat, Responses, legacy completions, the cache admin's
-warm), against a real keyed server on a tiny model: whatever body arrives, the answer is never a
-5xx (nor a stream that ends in a server error), every 4xx is OpenAI's error envelope, and the
+"""Property-based fuzz over every API (chat, Responses, legacy completions, Anthropic's Messages
+and its count_tokens, the cache admin's warm), against a real keyed server on a tiny model:
+whatever body arrives, the answer is never a 5xx (nor a stream that ends in a server error), every
+4xx is OpenAI's error envelope (Anthropic's, with a `request-id`, on the Messages API), and the
 server's memory stays bounded over the run.
 
 Bodies are structurally plausible (chat's drawn from OpenAI's own request schema, tests/data;
-Responses, completions and warm built after OpenAI's shapes), then hostile mutations are applied at
-random places: wrong types, huge numbers (up to 5,000 digits), nesting near and past the document
-limit, odd unicode (lone surrogates, NULs, bidi controls, special-token text, invalid UTF-8), big
-strings, dropped and unknown keys. `tests/security/test_fuzz.py` fuzzes chat on an open gateway and
-the server's own OpenAPI schema; this file adds the other APIs, the admin key and the memory bound.
+Responses, completions and warm built after OpenAI's shapes, Messages after Anthropic's), then
+hostile mutations are applied at random places: wrong types, huge numbers (up to 5,000 digits),
+nesting near and past the document limit, odd unicode (lone surrogates, NULs, bidi controls,
+special-token text, invalid UTF-8), big strings, dropped and unknown keys.
+`tests/security/test_fuzz.py` fuzzes chat on an open gateway and the server's own OpenAPI schema;
+this file adds the other APIs, the admin key and the memory bound.
 
 CI-sized and reproducible: derandomized, no example database, a few hundred examples in all."""
 
@@ -70,13 +72,33 @@ class Memory:
 
 # ---- answers -------------------------------------------------------------------------------
 
-CHAT_PATH, RESPONSES_PATH, COMPLETIONS_PATH, WARM_PATH = (
-    "/chat/completions", "/responses", "/completions", "/cache/warm")
+CHAT_PATH, RESPONSES_PATH, COMPLETIONS_PATH, WARM_PATH, MESSAGES_PATH, COUNT_PATH = (
+    "/chat/completions", "/responses", "/completions", "/cache/warm", "/messages", "/messages/count_tokens")
 
 
 def post(live: LiveServer, path: str, raw: bytes, key: str) -> httpx.Response:
+    auth = {"x-api-key": key} if path.startswith(MESSAGES_PATH) else {"authorization": f"Bearer {key}"}
     return httpx.post(live.api_url + path, content=raw, timeout=120,
-                      headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+                      headers={"content-type": "application/json", **auth})
+
+
+def assert_answered_as_anthropic(resp: httpx.Response) -> None:
+    """Never a 5xx, `request-id` on every answer, every 4xx Anthropic's envelope, no stream that
+    ends in an `error` event."""
+    status, body = resp.status_code, resp.content
+    assert status < 500, body[:500]
+    assert resp.headers.get("request-id"), resp.headers
+    if status >= 400:
+        envelope = json.loads(body)
+        assert envelope["type"] == "error" and set(envelope["error"]) <= {"type", "message", "details"}, envelope
+        assert envelope["error"]["type"] in ANTHROPIC_ERROR_TYPES and envelope["error"]["message"], envelope
+        return
+    if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        json.loads(body)
+        return
+    events = [json.loads(line[len("data:"):]) for line in body.decode().splitlines() if line.startswith("data:")]
+    assert events and events[-1]["type"] == "message_stop", events[-3:]
+    assert all(event["type"] != "error" for event in events), events
 
 
 def assert_answered_well(resp: httpx.Response) -> None:
@@ -318,6 +340,49 @@ completions_bodies = mutated(st.fixed_dictionaries(
     ("prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "logprobs", "echo", "suffix", "best_of",
      "n", "seed", "logit_bias", "stream_options", "presence_penalty", "frequency_penalty", "user"))
 
+# Anthropic's Messages (and count_tokens): blocks, tools, breakpoints, threads
+mark = st.none() | st.fixed_dictionaries({"type": st.just("ephemeral")},
+                                         optional={"ttl": st.sampled_from(["5m", "1h", "2h"])})
+
+
+def _marked(block: dict[str, Any], cache_control: dict[str, Any] | None) -> dict[str, Any]:
+    return {**block, "cache_control": cache_control} if cache_control is not None else block
+
+
+text_block = st.builds(lambda text, m: _marked({"type": "text", "text": text}, m), short_text, mark)
+anthropic_block = st.one_of(
+    text_block,
+    st.builds(lambda i, n, a: {"type": "tool_use", "id": i, "name": n, "input": a}, names, names,
+              st.dictionaries(names, short_text, max_size=2)),
+    st.builds(lambda i, c, m: _marked({"type": "tool_result", "tool_use_id": i, "content": c}, m), names,
+              short_text | st.lists(text_block, min_size=1, max_size=2), mark),
+    st.just({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}))
+anthropic_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "user"]),
+                                           "content": short_text | st.lists(anthropic_block, min_size=1, max_size=3)})
+anthropic_tool = st.builds(lambda n, s, m: _marked({"name": n, "description": "d", "input_schema": s}, m),
+                           names, schemas, mark)
+messages_bodies = mutated(st.fixed_dictionaries(
+    {"messages": st.lists(anthropic_message, min_size=1, max_size=4).map(
+        lambda ms: [*ms[:-1], {**ms[-1], "role": "user"}]), "max_tokens": small_tokens},
+    optional={"system": short_text | st.lists(text_block, min_size=1, max_size=2),
+              "tools": st.lists(anthropic_tool, max_size=3), "stream": st.booleans(),
+              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                              {"type": "any", "disable_parallel_tool_use": True}])
+              | st.builds(lambda n: {"type": "tool", "name": n}, names),
+              "stop_sequences": st.lists(short_text, max_size=5), "temperature": st.floats(0, 1),
+              "top_p": st.floats(0.01, 1), "metadata": st.fixed_dictionaries({"user_id": short_text}),
+              "cache_control": mark.filter(bool),
+              "output_config": st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, schemas),
+              "thread": st.sampled_from([{"type": "create"}, {"type": "continue"}, {"type": "fork"}])
+              | st.builds(lambda i: {"type": "continue", "previous_message_id": i},
+                          st.sampled_from(["msg_" + "0" * 32, "msg_x", "../../etc/passwd", ""]) | names),
+              "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}]),
+              "top_k": st.integers(0, 5)}),
+    ("messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences", "stream", "temperature", "top_p",
+     "top_k", "metadata", "cache_control", "output_config", "thread", "thinking", "service_tier", "container"))
+ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                         "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
+
 # the cache admin's warm
 warm_tool = st.builds(lambda name, params, desc: {"type": "function", "function": {
     "name": name, "description": desc, "parameters": params}}, names, schemas, short_text)
@@ -327,6 +392,7 @@ warm_bodies = mutated(st.fixed_dictionaries(
 
 WARM_UP = [
     (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    (MESSAGES_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "thread": {"type": "create"}}),
     (RESPONSES_PATH, {"input": "hi", "max_output_tokens": 2}),
     (COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 2}),
     (WARM_PATH, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
@@ -364,6 +430,18 @@ def test_completions_fuzz_never_5xx_and_memory_stays_bounded(server, memory):
         assert_answered_well(post(server, COMPLETIONS_PATH, raw, KEY))
 
     completions()
+    assert_no_5xx_counted(server)
+    memory.assert_bounded()
+
+
+def test_messages_fuzz_never_5xx_and_memory_stays_bounded(server, memory):
+    """Anthropic's Messages API and its count_tokens: the other APIs' guarantees, in its envelope."""
+    @given(raw=messages_bodies, count=st.booleans())
+    @fuzz(90)
+    def messages(raw: bytes, count: bool) -> None:
+        assert_answered_as_anthropic(post(server, COUNT_PATH if count else MESSAGES_PATH, raw, KEY))
+
+    messages()
     assert_no_5xx_counted(server)
     memory.assert_bounded()
 
