@@ -3,7 +3,8 @@
 registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
 store's public listing and pins; the serving layer knows nothing about the dashboard. The numbers are
 computed from collected metric families, so the Ray Serve ingress computes the fleet's from its
-replicas' merged series with the same functions (`gateway/proxy/fleet/`, which is handed this module when the app is built)."""
+replicas' merged series with the same functions (`gateway/proxy/fleet/`, handed this module when the
+app is built)."""
 
 from __future__ import annotations
 
