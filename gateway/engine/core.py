@@ -3,7 +3,8 @@ served by continuous batching on one worker thread, so the event loop never bloc
 
 The step loop (`_run`), in order:
 1. take new work: jobs wait in a bounded queue (429 past `max_queue`); tasks run between steps;
-2. admit jobs while fewer than `max_batch` sequences run, in turn between tenants (intake.py): look
+2. admit jobs while fewer than `max_batch` sequences run, in turn between tenants, pausing a
+   sequence of a tenant above its share of the batch for one below it (intake.py): look
    the tool group up (RAM, disk), reserve blocks for the rest (evicting unused cached groups if the
    pool is full; a job that does not fit yet waits, one that never can is refused at submit);
 3. drop sequences whose client went away, freeing their blocks at once;
@@ -95,7 +96,6 @@ class Engine:
         self._steps = StepLog()
         self.num_steps = 0
         self.num_cancelled = 0  # sequences stopped because their client went away
-        self.num_preempted = 0
         self.decode_steps = 0
         self.decode_s = 0.0
 
@@ -130,6 +130,7 @@ class Engine:
         between steps: each client gets its API's error (an error event, then the end of its stream)
         before the server cancels what is left."""
         def cut() -> None:
+            self._intake.resume_all(self._running)  # a paused generation is running too
             for seq in list(self._running):
                 self._outputs.fail(seq, CutOff(reason))
         return self.call(cut)
@@ -170,7 +171,7 @@ class Engine:
         return EngineStats(running=len(self._running), waiting=self._intake.depth,
                            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
                            kv_blocks_cached=cache.cached_blocks(), kv_block_tokens=self.pool.block_tokens,
-                           preemptions_total=self.num_preempted,
+                           preemptions_total=self._intake.num_paused,
                            prefix_queries_tokens_total=cache.query_tokens,
                            prefix_hits_tokens_total=cache.hit_tokens, steps_total=self.num_steps,
                            cancelled_total=self.num_cancelled, conversation_records=len(conversations),
@@ -231,6 +232,7 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self._running):
                     self._outputs.fail(seq, exc)
+        self._intake.resume_all(self._running)  # and the paused ones' blocks
         for seq in self._running:
             seq.release()
         self._running.clear()
@@ -376,10 +378,10 @@ class Engine:
 
     def _may_run_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step may be launched before this one is read: nothing waits that
-        could run (jobs waiting for a full batch cannot: a row must end first, and then this is
-        false), no client is gone, and no row ends by `max_tokens` with the token being read."""
-        waiting = self._intake.depth
-        if waiting and (len(self._running) < self.max_batch or self._intake.tasks_waiting):
+        could run (a held job of a tenant at its share of a full batch cannot: a row must end
+        first; intake.py `waiting_turn`), no client is gone, and no row ends by `max_tokens` with
+        the token being read."""
+        if self._intake.waiting_turn(self._running, self.max_batch):
             return False
         return bool(seqs) and all(
             not seq.job.cancelled.is_set() and seq.generated + 1 < seq.job.params.max_tokens for seq in seqs)
