@@ -282,7 +282,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f = s["single"]
         after = "the first after the server started" if f["first_after_start"] else "the bench's first"
         lines.append(f"single: the first request ({after}, a miss) took {num(f['first_miss_ttft_ms'])} ms, "
-                     f"{f['first_over_later_miss']}x a later miss of the same size")
+                     f"{f['first_over_later_miss']}x a later miss of the same size"
+                     + (f" (load average {f['first_load_average']} on {f['num_cpus']} cores)"
+                        if f.get("first_load_average") is not None else ""))
     if "restart" in s and not s["restart"].get("skipped"):
         r = s["restart"]
         lines.append(f"restart: first request after restart was a {r['first_after_restart']}, "

@@ -24,6 +24,7 @@ returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ async def run_single(ctx: Context) -> ScenarioResult:
     result = ScenarioResult(name)
     main = ctx.workload.group("main", plan.tools)
     result.samples.append(await ctx.send(name, main, "miss"))  # the first request computes the prefix
+    load_at_first = os.getloadavg()[0] if ctx.server is not None and hasattr(os, "getloadavg") else None
     for i in range(max(plan.requests, plan.misses - 1, plan.bypass)):  # mixed, so noise hits all classes
         if i < plan.requests:
             result.samples.append(await ctx.send(name, main, "hit"))
@@ -62,7 +64,10 @@ async def run_single(ctx: Context) -> ScenarioResult:
     # a spawned server's first request is the first after its start: warm-up should have paid the rest
     result.details.update(first_miss_ttft_ms=None if first.ttft_s is None else round(first.ttft_s * 1000, 1),
                           first_over_later_miss=_ratio(first.ttft_s, later[len(later) // 2] if later else None),
-                          first_after_start=ctx.server is not None)
+                          first_after_start=ctx.server is not None,
+                          # how busy the machine was (a spawned server's: this one), with its cores
+                          first_load_average=None if load_at_first is None else round(load_at_first, 1),
+                          num_cpus=os.cpu_count())
     return result
 
 

@@ -33,7 +33,9 @@ def resolved_values(settings: Settings) -> dict[str, str]:
     shown = _vllm_flags(settings)
     if settings.upstreams:
         return shown
+    from gateway.engine.cpu_threads import usable_cpus  # lazy: torch
     from gateway.engine.model_loader import ModelLoadError, pick_device, pick_dtype, resolve_source  # lazy: torch
+    from gateway.serving.kv_pool_size import describe_default, pool_share  # lazy: torch
     from gateway.serving.runtime import engine_plan  # lazy: the engine (torch)
 
     device = pick_device(settings.device)
@@ -49,7 +51,11 @@ def resolved_values(settings: Settings) -> dict[str, str]:
     else:
         shown.update(_planned(settings, plan, on))
     if settings.num_threads is None:
-        shown["num_threads"] = f"{_torch_threads()} (torch's choice)"
+        shown["num_threads"] = f"{usable_cpus()} (the cores this process may use; fewer while others hold them)"
+    if settings.ram_budget_bytes is None:
+        shown["ram_budget_bytes"] = describe_default(settings, device)
+    if settings.gpu_memory_utilization is None:
+        shown["gpu_memory_utilization"] = f"{pool_share(settings, device):g} ({on})"
     if settings.served_model_name is None:
         try:
             shown["served_model_name"] = f"{resolve_source(settings).served_name} (from the model)"
@@ -82,9 +88,3 @@ def _planned(settings: Settings, plan: EnginePlan, on: str) -> dict[str, str]:
     if settings.decode_overlap is None:
         shown["decode_overlap"] = f"{str(plan.overlap).lower()} ({on})"
     return shown
-
-
-def _torch_threads() -> int:
-    import torch  # lazy: imported already by the engine's modules above
-
-    return int(torch.get_num_threads())

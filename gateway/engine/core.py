@@ -42,6 +42,7 @@ import torch
 
 from gateway.engine import models
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
+from gateway.engine.cpu_threads import ThreadGovernor
 from gateway.engine.events import CutOff, Job, Task, TooLarge
 from gateway.engine.intake import Intake
 from gateway.engine.model_info import ModelInfo
@@ -67,7 +68,7 @@ class Engine:
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
                  max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,
                  backend: Backend = "torch", batch_invariant: bool = True, graph_tokens: int | None = None,
-                 fused: bool = False, overlap: bool = False) -> None:
+                 fused: bool = False, overlap: bool = False, threads: ThreadGovernor | None = None) -> None:
         assert info.identity is not None and info.pool_shape is not None, "the engine needs a loaded model's info"
         self.model = model
         self.tokenizer = tokenizer
@@ -84,6 +85,7 @@ class Engine:
         # CUDA graphs, of chunk steps up to this many tokens (None: none; engine/cuda_graphs.py)
         self.graph_tokens = graph_tokens if backend == "triton" and device.type == "cuda" else None
         self.overlap = overlap  # decode steps launched one ahead (_decode_ahead)
+        self.threads = threads  # torch's CPU threads, fewer while other work holds the cores (cpu_threads.py)
         self.ahead_steps = 0  # decode steps launched before the one before them was read
         self.scheduler = Scheduler(chunk_tokens, batch_invariant)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=chunk_tokens,
@@ -227,6 +229,8 @@ class Engine:
                 self._drop_cancelled()
                 plan = self.scheduler.plan(self._running)
                 if plan:
+                    if self.threads is not None:
+                        self.threads.adjust()
                     self._step(plan)
             except Exception as exc:  # a fault of the loop itself: what runs fails, the engine serves on
                 log.exception("engine step failed")

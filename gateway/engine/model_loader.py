@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from gateway.engine.cpu_threads import usable_cpus
+from gateway.engine.gguf_copy import CopyKey, copies_dir, find_copy, remove_copy, write_copy
 from gateway.settings import DEFAULT_MODEL, Settings, SettingsError, read_chat_template
 
 log = logging.getLogger(__name__)
@@ -99,37 +101,27 @@ def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(settings: Settings) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     started = time.perf_counter()
     source = resolve_source(settings)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
+    # the cores this process may use (affinity, cgroup quota), not the host's (engine/cpu_threads.py)
+    torch.set_num_threads(settings.num_threads or usable_cpus())
     if device.type == "cpu":
         # transformers asks SDPA for grouped-query attention only without a mask (a CUDA kernel
         # limit) and otherwise copies the KV heads up to the query heads on every forward: 420 MB
         # for a 36-token suffix over a 3,000-token SmolLM2 prefix. CPU SDPA takes the mask and the
         # grouped heads natively, with the same values. An explicit setting is kept.
         os.environ.setdefault(FORCE_GQA_ENV, "1")
-    kwargs: dict[str, Any] = {"dtype": dtype, "revision": settings.revision,
-                              "trust_remote_code": settings.trust_remote_code}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    kwargs.update(_quantization_kwargs(settings, device, dtype))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.location, gguf_file=source.gguf_file, revision=settings.revision,
-            trust_remote_code=settings.trust_remote_code,
-        )
-        if settings.chat_template:  # vLLM's --chat-template; the tokenizer's fingerprint (cache key) holds it
+    if source.gguf_file and source.local and settings.quantization == "none":
+        model, tokenizer = _load_gguf(source, settings, dtype)
+    else:
+        model, tokenizer = _load_pretrained(source, settings, dtype, _quantization_kwargs(settings, device, dtype))
+    if settings.chat_template:  # vLLM's --chat-template; the tokenizer's fingerprint (cache key) holds it
+        try:
             tokenizer.chat_template = read_chat_template(settings.chat_template)
-        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
-    except SettingsError as exc:
-        raise ModelLoadError(str(exc)) from None
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model {source.location!r}: {exc}") from exc
+        except SettingsError as exc:
+            raise ModelLoadError(str(exc)) from None
     if settings.quantization == "none":
         model.to(device)
     model.eval()
@@ -139,6 +131,43 @@ def load_model(settings: Settings) -> LoadedModel:
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         load_s=time.perf_counter() - started,
     )
+
+
+def _load_pretrained(source: ModelSource, settings: Settings, dtype: torch.dtype, extra: dict[str, Any],
+                     location: str | None = None) -> tuple[Any, Any]:
+    """The model and tokenizer from `location` (default: the source's, with its GGUF file)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = source.gguf_file if location is None else None
+    location = location or source.location
+    common: dict[str, Any] = {"gguf_file": gguf_file, "revision": settings.revision,
+                              "trust_remote_code": settings.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **common)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **common, **extra)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {location!r}: {exc}") from exc
+    return model, tokenizer
+
+
+def _load_gguf(source: ModelSource, settings: Settings, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A local GGUF through its converted copy (gguf_copy.py): read when one is whole, else the GGUF
+    converted and the copy written for the next start."""
+    assert source.gguf_file is not None
+    key = CopyKey(source.gguf_file, file_digest(Path(source.location) / source.gguf_file), str(dtype),
+                  _transformers_version())
+    root = copies_dir(settings.resolved_cache_dir)
+    copy = find_copy(root, key)
+    if copy is not None:
+        try:
+            return _load_pretrained(source, settings, dtype, {}, location=str(copy))
+        except Exception as exc:  # a copy is only a faster start: whatever is wrong with it, convert again
+            log.warning("cannot load the converted copy at %s (%s); converting the GGUF again", copy, exc)
+            remove_copy(copy)
+    log.info("converting %s (once: its weights are kept in %s for the next start)", source.gguf_file, root)
+    model, tokenizer = _load_pretrained(source, settings, dtype, {})
+    write_copy(root, key, model, tokenizer)
+    return model, tokenizer
 
 
 def _quantization_kwargs(settings: Settings, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

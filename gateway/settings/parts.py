@@ -62,6 +62,7 @@ class Size:
 
 
 Bytes = Annotated[int, BeforeValidator(parse_size), Size()]
+MaybeBytes = Annotated[int | None, BeforeValidator(parse_size), Size()]  # None: a default decided at start-up
 
 
 class Cli:

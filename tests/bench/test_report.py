@@ -18,7 +18,7 @@ from gateway.bench.floor import FloorResult, server_is_local
 from gateway.bench.floor_report import floor_dict
 from gateway.bench.names import QUICK_SCENARIOS
 from gateway.bench.options import _run, install_hint, register
-from gateway.bench.report import block, build_report, print_table, scenario_dict, targets
+from gateway.bench.report import block, build_report, print_table, scenario_dict, summary_lines, targets
 from gateway.bench.scenarios import SCENARIOS
 from gateway.bench.stats import percentile
 
@@ -67,6 +67,16 @@ def test_the_speedup_comes_from_warm_misses_the_first_request_apart():
     assert len(out["samples"]) == 5 and out["first_miss_ttft_ms"] == 74000.0  # still reported, apart
     alone = scenario_dict(ScenarioResult("single", samples=[first, *hits]), {})  # no warm miss: the first counts
     assert alone["classes"]["miss"]["n"] == 1 and alone["speedup"] == pytest.approx(74.0)
+
+
+def test_the_first_request_line_says_how_busy_the_machine_was():
+    """A first request's ratio means little without the load it was measured under (issue 35)."""
+    first = sample(387.5, 0)
+    lines = summary_lines(build_report({}, [ScenarioResult("single", samples=[first, sample(266.3, 0)], details={
+        "first_miss_ttft_ms": 387500.0, "first_over_later_miss": 1.46, "first_after_start": True,
+        "first_load_average": 15.2, "num_cpus": 2})], {}, None))
+    [line] = [line for line in lines if "first request" in line]
+    assert line.endswith("1.46x a later miss of the same size (load average 15.2 on 2 cores)")
 
 
 def test_server_timing_pairs_each_hit_with_its_own_model_prefill():

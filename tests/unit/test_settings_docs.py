@@ -43,7 +43,8 @@ def test_every_setting_has_a_row_with_its_flag_env_var_and_default(gen: ModuleTy
         assert f"`{ENV_PREFIX}{name.upper()}`" in row
         assert all(f"`{flag}`" in row for flag in flags[name]), name
     assert "`--api-key`" in rows["api_keys"] and "`--max-num-seqs`" in rows["max_batch"]
-    assert "`2 GiB`" in rows["ram_budget_bytes"]
+    assert "`--gpu-memory-utilization`" in rows["gpu_memory_utilization"]
+    assert "`1 GiB`" in rows["pinned_budget_bytes"]
 
 
 def test_check_fails_when_a_default_or_description_changes(gen: ModuleType, monkeypatch: pytest.MonkeyPatch,
