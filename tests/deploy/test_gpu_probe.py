@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -46,3 +47,10 @@ def test_probe_runs_every_part_on_the_cpu(tiny_model_dir: Callable[..., Path], t
     chunked = stream["tool_choice required, forced tokens as one chunk"]
     stepped = stream["tool_choice required, forced tokens one step each"]
     assert chunked["forced_tokens"] > 0 and chunked["tokens"] == stepped["tokens"]
+
+
+def test_the_one_device_command_parses() -> None:
+    """`measure.sh` runs only on a lent GPU: a syntax error there would cost the whole session."""
+    script = ROOT / "deploy" / "gpu" / "measure.sh"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
