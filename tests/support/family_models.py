@@ -78,40 +78,53 @@ def build_family_model(setup: FamilySetup, base_tokenizer_dir: Path, target: Pat
 
 
 def script_model(model: Any, tokenizer: Any) -> None:
-    """Make `model` write the last ⟦script⟧ of its prompt (see the module docstring)."""
+    """Make `model` write the last ⟦script⟧ of its prompt (see the module docstring). It writes
+    text, not a fixed list of tokens: each next token is the first of the rest of the script after
+    what it wrote so far, so tokens the engine feeds in a chunk of their own (a grammar's forced
+    tokens, spelled its own way) keep it on the script."""
     inner = model.forward
-    state: dict[str, Any] = {"tokens": None, "step": 0, "prompt": [], "end": -1}
+    state: dict[str, Any] = {"script": None, "prompt": [], "written": [], "end": -1, "last": None}
 
     def forward(*args: Any, input_ids: Any, **kwargs: Any) -> Any:
         out = inner(*args, input_ids=input_ids, **kwargs)
         positions = kwargs.get("position_ids")
         start = int(positions[0, 0]) if positions is not None else 0
-        if input_ids.shape[1] > 1 or start != state["end"]:  # a prompt chunk (the engine prefills in
-            # chunks: the text so far is the chunks since position 0, or since a hit's cut)
-            state["prompt"] = (state["prompt"] if start == state["end"] else []) + input_ids[0].tolist()
-            state["end"] = start + input_ids.shape[1]
-            state["tokens"], state["step"] = _script_tokens(tokenizer, state["prompt"]), 0
-        else:
-            state["end"] += 1
-            state["step"] += 1
-        tokens = state["tokens"]
-        if tokens is not None:
-            step = state["step"]
-            token = tokens[step] if step < len(tokens) else tokenizer.eos_token_id
+        ids = input_ids[0].tolist()
+        if start == state["end"] and state["last"] is not None and ids[0] == state["last"]:
+            state["written"] += ids  # the token it wrote, and any forced after it
+        else:  # a prompt chunk (the engine prefills in chunks: the text so far is the chunks since
+            # position 0, or since a hit's cut)
+            state["prompt"] = (state["prompt"] if start == state["end"] else []) + ids
+            state["script"], state["written"] = _script_text(tokenizer, state["prompt"]), []
+        state["end"] = start + len(ids)
+        state["last"] = None
+        if state["script"] is not None:
+            token = _next_token(tokenizer, state["script"], state["written"])
             out.logits[:, -1, :] = float("-inf")
             out.logits[:, -1, token] = 0.0
+            state["last"] = token
         return out
 
     model.forward = forward
 
 
-def _script_tokens(tokenizer: Any, prompt_ids: list[int]) -> list[int] | None:
+def _next_token(tokenizer: Any, script: str, written: list[int]) -> int:
+    whole = tokenizer(script, add_special_tokens=False)["input_ids"]
+    if written == whole[:len(written)]:  # on the script's own tokens
+        return int(whole[len(written)]) if len(written) < len(whole) else int(tokenizer.eos_token_id)
+    done = tokenizer.decode(written)
+    rest = script[len(done):] if script.startswith(done) else ""
+    ids = tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    return int(ids[0]) if ids else int(tokenizer.eos_token_id)
+
+
+def _script_text(tokenizer: Any, prompt_ids: list[int]) -> str | None:
     text = tokenizer.decode(prompt_ids)
     start = text.rfind(SCRIPT_OPEN)
     end = text.find(SCRIPT_CLOSE, start)
     if start < 0 or end < 0:
         return None
-    return list(tokenizer(text[start + 1:end], add_special_tokens=False)["input_ids"])
+    return str(text[start + 1:end])
 
 
 def scripted_runtime(settings: Settings, metrics: Metrics) -> Runtime:
