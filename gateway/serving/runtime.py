@@ -121,7 +121,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     info = ModelInfo.of(loaded.model, tokenizer, identity)
     context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     pool = kv_pool_size(settings, loaded.device, info.pool_shape.bytes_per_token if info.pool_shape else 0, context_len)
-    log.info("KV pool: %s", pool.described)
+    log.info("%s", pool.described)  # "the KV pool (1440 MiB: 4 sequences of 8,192 tokens, ...)"
     store = PrefixStore(RamTier(pool.num_bytes), _disk_tier(settings, identity, loaded),
                         retained_budget_bytes=settings.retained_budget_bytes)
     info = ModelInfo.of(loaded.model, tokenizer, identity)
