@@ -294,6 +294,25 @@ def test_x_api_key_is_accepted_as_the_key(secured):
     assert chat.status_code == 401 and chat.json()["error"]["type"] == "invalid_request_error"  # OpenAI's
 
 
+def test_a_thread_is_its_keys_alone(secured):
+    """Another key's message id is not found, as an id never sent is: threads are per key."""
+    owner, other = sdk(secured, RESPONSES_KEYS[0]), sdk(secured, RESPONSES_KEYS[1])
+    first = owner.beta.messages.create(model=MODEL, max_tokens=2, messages=ask("Hi"), system=SYSTEM,
+                                       thread={"type": "create"}, extra_body=GREEDY)
+    follow = {"model": MODEL, "max_tokens": 2, "messages": ask("More?"), "extra_body": GREEDY,
+              "thread": {"type": "continue", "previous_message_id": first.id}}
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        other.beta.messages.create(**follow)
+    assert caught.value.body["error"]["details"] == {"error_code": "thread_not_found"}
+    second = owner.beta.messages.create(**follow)
+    whole = owner.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[
+        *ask("Hi"), {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        *ask("More?")]) if first.content else None
+    usage = second.usage
+    total = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert whole is None or total == whole.input_tokens
+
+
 # ---- the scripted model: text and tool calls it is told to write --------------------------------
 
 
