@@ -99,7 +99,7 @@ def kernel_table(prof: Any, steps: int) -> dict[str, Any]:
     counts: dict[str, int] = defaultdict(int)
     top: list[tuple[float, str, int]] = []
     for event in prof.key_averages():
-        on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        on_device = str(getattr(event, "device_type", "")).endswith("CUDA")  # DeviceType.CUDA
         if CUDA and not on_device:
             continue
         if not CUDA and not event.key.startswith("aten::"):
@@ -235,6 +235,7 @@ def breakdown(runtime: Runtime, context: int, batches: list[int], long_chunk: in
             for _ in range(2):
                 runner.forward(tokens, rows)
             sync()
+            replays = sum(graphs.replays.values()) if graphs is not None else 0
             t = time.perf_counter()
             with profile(activities=activities) as prof:
                 for _ in range(steps):
@@ -243,6 +244,8 @@ def breakdown(runtime: Runtime, context: int, batches: list[int], long_chunk: in
             wall_ms = (time.perf_counter() - t) * 1e3 / steps
             table = kernel_table(prof, steps)
             table["wall_ms_per_step_profiled"] = round(wall_ms, 2)
+            # a step too big for every captured graph runs eagerly though asked to replay
+            table["graph_replays_per_step"] = (sum(graphs.replays.values()) - replays) / steps if graphs else 0
             if CUDA:
                 table["device_idle_us_per_step"] = round(wall_ms * 1e3 - table["total_us_per_step"], 1)
             if decode and not chunk and runner.model.config is not None:
