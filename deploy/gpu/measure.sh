@@ -37,7 +37,9 @@ stamp() { echo "[$(elapsed)s] $*" | tee -a "$out/timeline.txt"; }
 # run SECONDS [VAR=VALUE ...] CMD...: at most SECONDS, SIGINT then SIGKILL 15 s later; its status
 # (124: timed out)
 run() { local limit=$1; shift; timeout -k 15 -s INT "$limit" env "$@"; }
-need_model() { [ -d "$model" ] || python3 .gpu/mkmodel.py qwen3-8b "$model" > "$out/mkmodel.txt" 2>&1; }
+need_model() {  # ~25 s for the 8B shape; bounded, so a hung build cannot hold up the stages after it
+  [ -d "$model" ] || timeout -k 10 150 python3 .gpu/mkmodel.py qwen3-8b "$model" > "$out/mkmodel.txt" 2>&1
+}
 
 setup() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.csv" 2>&1
