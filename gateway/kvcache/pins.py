@@ -12,7 +12,7 @@ by `pinned_budget_bytes`. Retention is a tenant's: it protects an entry only wit
 share of `retained_budget_bytes` (`shares.py`); `tenant` is a digest of the tenant's namespace,
 never the salt itself.
 
-Each change is a read-merge-write of that file under an exclusive lock on `pins.lock` (a change
+Each change is a read-merge-write of that file (`pins_file.py`) under an exclusive lock on `pins.lock` (a change
 made by another process meanwhile is kept, a removal included: a process removes what the file
 holds, not only what it knew), written to a temp file and renamed. A pin or unpin the disk
 refuses (a read-only or full dir) changes nothing and raises `PinsNotSaved`: a pin that would not
@@ -32,43 +32,39 @@ first go): a flood of distinct retained groups never grows this process.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import fcntl
 import hashlib
-import json
 import logging
-import os
-import re
-import stat
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from gateway.kvcache.disk_format import CacheFault
-from gateway.kvcache.entry_file import FileId, open_regular
+from gateway.kvcache.entry_file import FileId
+from gateway.kvcache.pins_file import (
+    LOCK_FILE,
+    MAX_FILE_BYTES,
+    MAX_RECORDS,
+    PINS_FILE,
+    Hold,
+    drop_expired,
+    file_id,
+    locked,
+    read_holds,
+    write_holds,
+)
 from gateway.kvcache.shares import Retained, protected
 
 log = logging.getLogger(__name__)
 
-PINS_FILE = "pins.json"
-_LOCK_FILE = "pins.lock"
-_VERSION = 1
-_MAX_FILE_BYTES = 8 << 20
-# `"<digest>":{"pinned":false,"bytes":<20 digits>,"retain_until":<14>,"tenant":"<16>"},` and slack
-_MAX_RECORD_BYTES = 192
-_MAX_RECORDS = _MAX_FILE_BYTES // _MAX_RECORD_BYTES  # 43,690: a full file is still read whole
-_MAX_TENANT_CHARS = 64
+__all__ = ["PINS_FILE", "Hold", "Level", "PinBudgetExceeded", "Pins", "PinsNotSaved", "tenant_label"]
+_MAX_FILE_BYTES = MAX_FILE_BYTES  # the file's bounds, as `pins_file` sets them
+_MAX_RECORDS = MAX_RECORDS
 _REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look to eviction here
 _RESHARE_EVERY_S = 1.0  # retentions that ended give their share to the rest within this
 DEFAULT_RETAINED_BUDGET_BYTES = 512 * 1024**2
 _RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class Level(enum.IntEnum):
@@ -78,17 +74,6 @@ class Level(enum.IntEnum):
     NONE = 0
     RETAINED = 1
     PINNED = 2
-
-
-@dataclass(slots=True)
-class Hold:
-    pinned: bool = False
-    num_bytes: int = 0  # the entry's bytes: against the pinned budget, or its tenant's retained share
-    retain_until: float = 0.0  # wall-clock seconds; 0: no retention
-    tenant: str = ""  # whose retention (`tenant_label`); "": the shared namespace
-
-    def live(self, now: float) -> bool:
-        return self.pinned or self.retain_until > now
 
 
 class PinBudgetExceeded(Exception):
@@ -227,7 +212,7 @@ class Pins:
             hold.tenant = tenant_label(tenant)  # the latest request's tenant is charged
             self._version += 1
             if len(self._holds) > _MAX_RECORDS + _MAX_RECORDS // 8:  # trimmed now and then, not each time
-                _drop_expired(self._holds)  # down to the file's bound: those that end first go
+                drop_expired(self._holds)  # down to the file's bound: those that end first go
             stale = until - self._saved_until.get(digest, 0.0) >= _RETAIN_WRITE_SLACK_S
             if self.path is None or not stale or self._flush_pending:
                 return
@@ -281,10 +266,10 @@ class Pins:
         if self.path is None:
             return
         with self._io_lock:
-            seen = _file_id(self.path)
+            seen = file_id(self.path)
             if seen == self._seen:
                 return
-            on_file = self._read()
+            on_file = read_holds(self.path)
             if on_file is not None:
                 with self._lock:
                     self._replace(self._merged(on_file))
@@ -322,19 +307,19 @@ class Pins:
             if self.path is None:
                 with self._lock:
                     change(self._holds)
-                    _drop_expired(self._holds)
+                    drop_expired(self._holds)
                     self._version += 1
                 return
             try:
-                with _locked(self.path.parent / _LOCK_FILE):
-                    on_file = self._read()
+                with locked(self.path.parent / LOCK_FILE):
+                    on_file = read_holds(self.path)
                     if on_file is None:
                         on_file = self._known()
                     with self._lock:
                         holds = self._merged(on_file)
                     change(holds)
-                    _drop_expired(holds)
-                    self._write(holds)
+                    drop_expired(holds)
+                    write_holds(self.path, holds)
             except OSError as exc:  # a read-only or full dir
                 if strict:
                     raise PinsNotSaved(self.path.name, exc.strerror or str(exc)) from None
@@ -347,7 +332,7 @@ class Pins:
             with self._lock:
                 self._replace(self._merged(holds))  # a retention set meanwhile is kept
                 self._saved_until = {d: h.retain_until for d, h in holds.items() if h.retain_until}
-            self._seen = _file_id(self.path)
+            self._seen = file_id(self.path)
 
     def _replace(self, holds: dict[str, Hold]) -> None:
         """Call with `_lock` held."""
@@ -368,106 +353,8 @@ class Pins:
                     target.num_bytes = target.num_bytes or hold.num_bytes
         return on_file
 
-    def _read(self) -> dict[str, Hold] | None:
-        """The file's records ({} when there is none); None when it cannot be read or parsed."""
-        assert self.path is not None
-        try:
-            fd, st = open_regular(self.path)
-        except FileNotFoundError:
-            return {}
-        except (OSError, CacheFault) as exc:
-            log.warning("cannot read %s (%s); keeping the pins known here", self.path.name, exc)
-            return None
-        try:
-            if st.st_size > _MAX_FILE_BYTES:
-                raise ValueError(f"{st.st_size} bytes; the limit is {_MAX_FILE_BYTES}")
-            return _parse(json.loads(_read_fd(fd, st.st_size)))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("%s is not a valid pin file (%s); keeping the pins known here", self.path.name, exc)
-            return None
-        finally:
-            os.close(fd)
-
     def _known(self) -> dict[str, Hold]:
         """A copy of this process's holds: what stands in for a file that cannot be read."""
         with self._lock:
             return {digest: Hold(h.pinned, h.num_bytes, h.retain_until, h.tenant) for digest, h in self._holds.items()}
 
-    def _write(self, holds: dict[str, Hold]) -> None:
-        assert self.path is not None
-        records = {d: {"pinned": h.pinned, "bytes": h.num_bytes, "retain_until": round(h.retain_until, 3),
-                       "tenant": h.tenant} for d, h in holds.items()}
-        data = json.dumps({"version": _VERSION, "entries": records}, separators=(",", ":")).encode()
-        temp = self.path.with_name(f".{PINS_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-            os.replace(temp, self.path)
-        finally:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                temp.unlink()
-
-
-def _drop_expired(holds: dict[str, Hold]) -> None:
-    """Drop what holds nothing any more; past _MAX_RECORDS, the retentions that end first."""
-    now = time.time()
-    for digest in [d for d, h in holds.items() if not h.live(now)]:
-        del holds[digest]
-    excess = len(holds) - _MAX_RECORDS
-    if excess > 0:
-        retained = sorted((h.retain_until, d) for d, h in holds.items() if not h.pinned)
-        for _, digest in retained[:excess]:
-            del holds[digest]
-
-
-def _file_id(path: Path) -> FileId | None:
-    try:
-        return FileId.of(os.stat(path, follow_symlinks=False))
-    except OSError:
-        return None
-
-
-def _read_fd(fd: int, size: int) -> bytes:
-    chunks, done = [], 0
-    while done < size:
-        chunk = os.pread(fd, size - done, done)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        done += len(chunk)
-    return b"".join(chunks)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _parse(doc: Any) -> dict[str, Hold]:
-    if not isinstance(doc, dict) or doc.get("version") != _VERSION or not isinstance(doc.get("entries"), dict):
-        raise ValueError("not a version-1 pin document")
-    holds: dict[str, Hold] = {}
-    for digest, record in list(doc["entries"].items())[:_MAX_RECORDS]:
-        if not _DIGEST.fullmatch(digest) or not isinstance(record, dict):
-            continue
-        pinned, num_bytes, until = record.get("pinned"), record.get("bytes"), record.get("retain_until")
-        if not isinstance(pinned, bool) or type(num_bytes) is not int or num_bytes < 0 or \
-                not isinstance(until, int | float) or isinstance(until, bool):
-            continue
-        tenant = record.get("tenant", "")  # absent in files older builds wrote
-        if not isinstance(tenant, str) or len(tenant) > _MAX_TENANT_CHARS:
-            tenant = ""
-        holds[digest] = Hold(pinned, num_bytes, float(until), tenant)
-    return holds
