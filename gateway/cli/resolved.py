@@ -51,7 +51,8 @@ def resolved_values(settings: Settings) -> dict[str, str]:
     else:
         shown.update(_planned(settings, plan, on))
     if settings.num_threads is None:
-        shown["num_threads"] = f"{usable_cpus()} (the cores this process may use; fewer while others hold them)"
+        fewer = "; fewer while others hold them" if settings.adaptive_threads else ""
+        shown["num_threads"] = f"{usable_cpus()} (the cores this process may use{fewer})"
     if settings.ram_budget_bytes is None:
         shown["ram_budget_bytes"] = describe_default(settings, device)
     if settings.gpu_memory_utilization is None:

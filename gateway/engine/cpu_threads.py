@@ -13,14 +13,14 @@ cores other processes used (/proc/stat over the cores it may use, minus its own 
 runs with the cores left over, at least one. With one thread, its own demand leaves the others'
 share visible, so the count comes back up when they stop and does not flap while they run.
 
-The thread count changes no number but one: MKL splits a product's rows and columns among
-threads, not its sums, norms and softmax are per row, and a one-token row's attention is matrix
-products; one and two threads give the same bits for SmolLM2's shapes, chunks of 2, 16, 37 and 128
-tokens and a tiny model's logits (tests/engine/test_cpu_threads.py). The exception: torch's CPU
-SDPA kernel (torch 2.13) splits a 3-token chunk's work by the thread count, so such a chunk (a
-3-token suffix, a group's 3-token tail) computed on one thread and again on two differs in its
-last bits, and a hit and its bypass computed at different counts may round differently there. An
-explicit `num_threads` keeps the count fixed, and every result bitwise reproducible."""
+The thread count can change a number, so adapting it is opt-in (`adaptive_threads`, off by
+default): MKL splits most products' rows and columns among threads, not their sums, and one and
+two threads give the same bits for SmolLM2's 1-, 2-, 16-, 37- and 128-row products and a tiny
+model's logits (tests/engine/test_cpu_threads.py); but on torch 2.13 a 5- or 7-row product and
+SDPA over a 1- or 3-token chunk take another path by thread count and differ in their last bits.
+A hit and its bypass computed at different counts may then round differently, and cached output
+must equal uncached output. With the default, the count is fixed at start (`usable_cpus`, or
+`num_threads`) and every result bitwise reproducible."""
 
 from __future__ import annotations
 

@@ -60,7 +60,13 @@ class Settings(BaseSettings):
     trust_remote_code: bool = Field(False, description="let transformers run the code a model's repository ships "
                                                        "(a custom architecture or tokenizer) when it loads an HF "
                                                        "directory or hub id")
-    num_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: torch's choice)")
+    num_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: the cores this process "
+                                                            "may use)")
+    adaptive_threads: bool = Field(False, description="on the CPU, run torch on the cores other processes leave "
+                                                      "(measured each second): faster on a busy machine, but a hit "
+                                                      "and its bypass computed at different thread counts may differ "
+                                                      "in their last bits (off: a fixed count, every result bitwise "
+                                                      "reproducible)")
     max_model_len: int | None = Field(None, ge=16, description="the longest prompt plus completion, in tokens "
                                                                "(default: the model's context length)")
 

@@ -106,3 +106,20 @@ def test_a_model_gives_the_same_logits_on_one_and_two_threads(tiny_model_dir, re
             return loaded.model(ids).logits  # type: ignore[no-any-return]
 
     assert torch.equal(logits(2), logits(1))
+
+
+def test_threads_follow_other_processes_only_when_asked():
+    """A thread count that changes between a hit and its bypass can change a product's last bits
+    (torch 2.13 on this CPU: 5- and 7-row products, a 1- or 3-token chunk's SDPA), so the engine
+    adapts its threads only with `adaptive_threads`; by default cached output stays bitwise equal
+    to uncached output whatever else the machine runs."""
+    from types import SimpleNamespace
+
+    from gateway.serving.runtime import _thread_governor
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert _thread_governor(load_settings(environ={}), cpu) is None  # type: ignore[arg-type]
+    adaptive = load_settings(overrides={"adaptive_threads": True}, environ={})
+    assert isinstance(_thread_governor(adaptive, cpu), ThreadGovernor)  # type: ignore[arg-type]
+    fixed = load_settings(overrides={"adaptive_threads": True, "num_threads": 2}, environ={})
+    assert _thread_governor(fixed, cpu) is None  # type: ignore[arg-type]
