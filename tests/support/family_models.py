@@ -130,10 +130,13 @@ def _script_text(tokenizer: Any, prompt_ids: list[int]) -> str | None:
 def scripted_runtime(settings: Settings, metrics: Metrics) -> Runtime:
     """A runtime factory for `create_app`: the configured model, scripted. Conversation reuse is
     off: the script is read from the prompt chunks a request computes, and a reused turn would
-    not compute the message that holds it."""
+    not compute the message that holds it. The model runs on transformers' eager fallback
+    (`fused_layers` off): toolkv's own model reads the checkpoint's weights and never calls the
+    scripted `forward`."""
     loaded = load_model(settings)
     script_model(loaded.model, loaded.tokenizer)
-    return build_runtime(settings.model_copy(update={"conversation_reuse": "off"}), metrics, loaded)
+    scripted = settings.model_copy(update={"conversation_reuse": "off", "fused_layers": False})
+    return build_runtime(scripted, metrics, loaded)
 
 
 def script(text: str) -> str:
