@@ -124,7 +124,6 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     log.info("%s", pool.described)  # "the KV pool (1440 MiB: 4 sequences of 8,192 tokens, ...)"
     store = PrefixStore(RamTier(pool.num_bytes), _disk_tier(settings, identity, loaded),
                         retained_budget_bytes=settings.retained_budget_bytes)
-    info = ModelInfo.of(loaded.model, tokenizer, identity)
     block_bytes = info.pool_shape.bytes_per_token * settings.kv_block_tokens if info.pool_shape else 0
     if pool.num_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
         raise ValueError(f"{pool.described} holds no KV block: one "
@@ -138,7 +137,6 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                     conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
                     batch_invariant=plan.batch_invariant, graph_tokens=plan.graph_tokens, fused=plan.fused,
                     overlap=plan.overlap, threads=_thread_governor(settings, loaded))
-    context_len = min(loaded.context_len, settings.max_model_len or loaded.context_len)  # --max-model-len caps it
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
