@@ -59,7 +59,9 @@ def kv_pool_size(settings: Settings, device: torch.device, bytes_per_token: int,
 
 
 def _whole_mib(num_bytes: float) -> int:
-    return int(num_bytes) // 1024**2 * 1024**2
+    """Whole MiB, or the bytes themselves under one MiB (a tiny model's short context: rounding
+    that down left a pool of no block)."""
+    return int(num_bytes) // 1024**2 * 1024**2 or int(num_bytes)
 
 
 def _gib(num_bytes: int) -> str:
