@@ -24,12 +24,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.bench.bfcl import ConstrainedRows, RowsError
-from gateway.bench.checks import check_lines, checks
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
-from gateway.bench.constrained import load_rows
 from gateway.bench.context import BaselineFleet, Context, Peer, Plan, ScenarioResult
-from gateway.bench.fleet import FixedBaseline
-from gateway.bench.floor import (
+from gateway.bench.html_report import write_html
+from gateway.bench.lab.constrained import load_rows
+from gateway.bench.lab.fleet import FixedBaseline
+from gateway.bench.lab.floor import (
     FLOOR_DISABLED,
     FLOOR_LOCAL,
     FLOOR_QUICK,
@@ -38,9 +38,9 @@ from gateway.bench.floor import (
     measure_floor,
     server_is_local,
 )
-from gateway.bench.hostile import spawn_bounds as hostile_spawn_bounds
-from gateway.bench.hostile import spawn_env as hostile_spawn_env
-from gateway.bench.html_report import write_html
+from gateway.bench.lab.hostile import spawn_bounds as hostile_spawn_bounds
+from gateway.bench.lab.hostile import spawn_env as hostile_spawn_env
+from gateway.bench.lab.targets import check_lines, checks
 from gateway.bench.memory import read_memory
 from gateway.bench.names import ONLY_WHEN_NAMED, QUICK_SCENARIOS
 from gateway.bench.plots import write_plots

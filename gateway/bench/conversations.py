@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.bench.client import ContextTooLong, Sample
 from gateway.bench.context import Context, Plan, ScenarioResult
-from gateway.bench.history import HistoryChats, approx_prompt_tokens, counters_grown, pool_reading, pool_size
+from gateway.bench.lab.history import HistoryChats, approx_prompt_tokens, counters_grown, pool_reading, pool_size
 from gateway.bench.trajectories import Conversation, turn_body
 
 

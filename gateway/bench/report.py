@@ -21,19 +21,19 @@ from gateway.bench.concurrency_report import (
     concurrent_stats,
     overlap_stats,
 )
-from gateway.bench.constrained_report import (
+from gateway.bench.context import ScenarioResult
+from gateway.bench.forced import forced_lines
+from gateway.bench.lab.constrained_report import (
     constrained_lines,
     constrained_stats,
     constrained_table,
     constrained_targets,
 )
-from gateway.bench.context import ScenarioResult
-from gateway.bench.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
-from gateway.bench.floor import FloorResult
-from gateway.bench.floor_report import FLOOR_SHARES_CPU, floor_dict, floor_lines, hit_overhead
-from gateway.bench.forced import forced_lines
-from gateway.bench.history_report import history_lines, history_stats, history_target
-from gateway.bench.hostile import hostile_lines, hostile_targets
+from gateway.bench.lab.fleet_report import fleet_lines, fleet_stats, fleet_table, fleet_targets
+from gateway.bench.lab.floor import FloorResult
+from gateway.bench.lab.floor_report import FLOOR_SHARES_CPU, floor_dict, floor_lines, hit_overhead
+from gateway.bench.lab.history_report import history_lines, history_stats, history_target
+from gateway.bench.lab.hostile import hostile_lines, hostile_targets
 from gateway.bench.memory import memory_lines
 from gateway.bench.peer_report import peer_lines, peer_stats, peer_table
 from gateway.bench.stats import decode_s_per_token, ms_spread, num, output_tokens, percentile, ratio, rounded, to_ms

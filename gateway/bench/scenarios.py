@@ -30,15 +30,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.bench.client import ContextTooLong, Expected, Sample
-from gateway.bench.constrained import run_constrained
 from gateway.bench.context import Context, Plan, ScenarioResult
 from gateway.bench.conversations import run_agent, run_history
-from gateway.bench.fleet import planned as fleet_planned
-from gateway.bench.fleet import run_fleet
 from gateway.bench.forced import with_forced_tokens
-from gateway.bench.history import expected_requests
-from gateway.bench.hostile import planned as hostile_planned
-from gateway.bench.hostile import run_hostile_soak
+from gateway.bench.lab.constrained import run_constrained
+from gateway.bench.lab.fleet import planned as fleet_planned
+from gateway.bench.lab.fleet import run_fleet
+from gateway.bench.lab.history import expected_requests
+from gateway.bench.lab.hostile import planned as hostile_planned
+from gateway.bench.lab.hostile import run_hostile_soak
 from gateway.bench.names import SCENARIO_NAMES
 from gateway.bench.peer import planned as peer_planned
 from gateway.bench.peer import run_peer

@@ -1,24 +1,16 @@
 """Warm-up: what a first request would otherwise pay once, run before the server says it is ready
 (one pass of each shape the engine runs: a whole prompt chunk and one decode row, so kernels
-compile and allocators settle; on CUDA the step graphs are captured), and the bench's probe of
-what a hit computes (`prefill_over`)."""
+compile and allocators settle; on CUDA the step graphs are captured)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from gateway.engine.chunks import chunk_ends, next_end
 from gateway.engine.cuda_graphs import StepGraphs, flat_buckets
-from gateway.engine.events import TooLarge
 from gateway.engine.model_runner import ModelRunner, RowKV
-from gateway.kvcache.entry import CacheEntry
-
-if TYPE_CHECKING:  # the engine calls into this module; only its type is needed here
-    from gateway.engine.core import Engine
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +38,3 @@ def warm_up(runner: ModelRunner, chunk_tokens: int, max_batch: int, graph_tokens
         torch.cuda.synchronize(runner.device)
     log.info("engine warm-up: %.1fs (%s attention, batch invariant %s, CUDA graphs %s)",
              time.perf_counter() - started, runner.backend, runner.batch_invariant, runner.graphs is not None)
-
-
-def prefill_over(engine: Engine, entry: CacheEntry, suffix_ids: list[int]) -> None:
-    """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks, into
-    a scratch run that is freed after. Engine thread only (the bench's floor probe)."""
-    run = engine.cache.allocate(len(suffix_ids))
-    if run is None:
-        raise TooLarge("the KV pool has no room for the suffix now")
-    try:
-        group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
-        group_start = entry.blocks.token_start if entry.blocks is not None else -1
-        prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
-        ends = chunk_ends(prompt, start, engine.scheduler.chunk_tokens, engine.cache.turn_opening)
-        done = start
-        while done < len(prompt):
-            end = next_end(ends, done)
-            engine.runner.forward([prompt[done:end]], [RowKV(group, run, done - start, done, group_start)])
-            done = end
-    finally:
-        run.release()

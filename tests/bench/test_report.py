@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from gateway.bench.checks import DESCRIBE, check_lines, checks
 from gateway.bench.client import Sample, parse_server_timing
 from gateway.bench.command import _default_scenarios, _plan, _stdout_console
 from gateway.bench.concurrency_report import concurrent_stats, overlap_stats
 from gateway.bench.context import ScenarioResult
-from gateway.bench.floor import FloorResult, server_is_local
-from gateway.bench.floor_report import floor_dict
+from gateway.bench.lab.floor import FloorResult, server_is_local
+from gateway.bench.lab.floor_report import floor_dict
+from gateway.bench.lab.targets import DESCRIBE, check_lines, checks
 from gateway.bench.names import QUICK_SCENARIOS
 from gateway.bench.options import _run, install_hint, register
 from gateway.bench.report import block, build_report, print_table, scenario_dict, summary_lines, targets

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.bench.floor import FLOOR_DISABLED, FLOOR_LOCAL, FLOOR_QUICK, FloorResult
+from gateway.bench.lab.floor import FLOOR_DISABLED, FLOOR_LOCAL, FLOOR_QUICK, FloorResult
 from gateway.bench.stats import num, percentile, rounded
 
 FLOOR_SHARES_CPU = "unreliable: shares the CPU with the server"

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.bench.agent_report import TARGET_EXTRA_TOKENS
-from gateway.bench.constrained_report import TARGET_GRAMMAR_SHARE
-from gateway.bench.fleet_report import TARGET_HOT_OVER_BALANCED_P95
-from gateway.bench.floor_report import hit_overhead
-from gateway.bench.history_report import TARGET_HISTORY_RSS_GROWTH
-from gateway.bench.hostile import TARGET_B_RATIO as TARGET_HOSTILE_B_RATIO
-from gateway.bench.hostile import TARGET_RSS_GROWTH as TARGET_HOSTILE_RSS_GROWTH
+from gateway.bench.lab.constrained_report import TARGET_GRAMMAR_SHARE
+from gateway.bench.lab.fleet_report import TARGET_HOT_OVER_BALANCED_P95
+from gateway.bench.lab.floor_report import hit_overhead
+from gateway.bench.lab.history_report import TARGET_HISTORY_RSS_GROWTH
+from gateway.bench.lab.hostile import TARGET_B_RATIO as TARGET_HOSTILE_B_RATIO
+from gateway.bench.lab.hostile import TARGET_RSS_GROWTH as TARGET_HOSTILE_RSS_GROWTH
 from gateway.bench.report import (
     TARGET_COMPILE_OVERLAP_RATIO,
     TARGET_FIRST_OVER_LATER,

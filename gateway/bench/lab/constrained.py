@@ -31,7 +31,7 @@ from gateway.bench.bfcl import (
 )
 from gateway.bench.client import ContextTooLong, Sample
 from gateway.bench.context import Context, ScenarioResult
-from gateway.bench.validity import Answer, StreamAssembler, answer_problem, call_problem
+from gateway.bench.lab.validity import Answer, StreamAssembler, answer_problem, call_problem
 
 COST_SERIES = {"constrained_tokens": "toolkv_constrained_tokens_total",
                "grammar_s": "toolkv_constraint_seconds_total",

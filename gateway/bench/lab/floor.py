@@ -167,11 +167,33 @@ async def _http_hit(client: BenchClient, workload: Workload, group: ToolGroup) -
 
 def _time_hit(engine: Any, entry: Any, job: Any) -> tuple[float, float]:
     """A hit restores nothing (it reads the group's blocks in place): restore is 0."""
-    from gateway.engine.warmup import prefill_over  # lazy: the engine (torch) loads only when the floor runs
-
     started = time.perf_counter()
     prefill_over(engine, entry, job.prompt_ids[job.prefix_len :])  # the hit path's own suffix prefill
     return 0.0, _ms_since(started)
+
+
+def prefill_over(engine: Any, entry: Any, suffix_ids: list[int]) -> None:
+    """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks, into
+    a scratch run that is freed after. Engine thread only."""
+    # lazy: the engine (torch) loads only when the floor runs
+    from gateway.engine.chunks import chunk_ends, next_end
+    from gateway.engine.model_runner import RowKV
+
+    run = engine.cache.allocate(len(suffix_ids))
+    if run is None:
+        raise FloorError("the KV pool has no room for the suffix now")
+    try:
+        group = [(layer.keys[0], layer.values[0]) for layer in entry.layers]
+        group_start = entry.blocks.token_start if entry.blocks is not None else -1
+        prompt, start = [*entry.key.token_ids, *suffix_ids], entry.num_tokens
+        ends = chunk_ends(prompt, start, engine.scheduler.chunk_tokens, engine.cache.turn_opening)
+        done = start
+        while done < len(prompt):
+            end = next_end(ends, done)
+            engine.runner.forward([prompt[done:end]], [RowKV(group, run, done - start, done, group_start)])
+            done = end
+    finally:
+        run.release()
 
 
 def _ms_since(started: float) -> float:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from gateway.bench.bfcl import MERCHANT_SLICE, SCHEMA_ROWS, load_tool_rows, quick
-from gateway.bench.constrained import BOUND_CHARS, bounded_schema, grammar_cost, load_rows, request_body
-from gateway.bench.constrained_report import constrained_targets
-from gateway.bench.validity import Answer, StreamAssembler, answer_problem, call_problem
+from gateway.bench.lab.constrained import BOUND_CHARS, bounded_schema, grammar_cost, load_rows, request_body
+from gateway.bench.lab.constrained_report import constrained_targets
+from gateway.bench.lab.validity import Answer, StreamAssembler, answer_problem, call_problem
 from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve

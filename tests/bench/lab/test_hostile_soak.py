@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gateway.bench.hostile import HOSTILE_KEY_ENV
+from gateway.bench.lab.hostile import HOSTILE_KEY_ENV
 from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
@@ -77,7 +77,7 @@ def test_a_spawned_soak_server_gets_small_bounds_that_fill_within_the_run(monkey
     """The KV pool's pages and the grammar cache fill toward their bounds for the whole run at the
     default sizes; a spawned soak server gets small ones (reported in the meta) unless the
     environment sets them, so the RSS growth that is left is memory no bound holds."""
-    from gateway.bench.hostile import SPAWN_BOUNDS, spawn_bounds
+    from gateway.bench.lab.hostile import SPAWN_BOUNDS, spawn_bounds
 
     monkeypatch.delenv("TOOLKV_RAM_BUDGET_BYTES", raising=False)
     monkeypatch.setenv("TOOLKV_GRAMMAR_CACHE_BYTES", "64MiB")

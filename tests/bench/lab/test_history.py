@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gateway.bench.client import parse_metrics
-from gateway.bench.history import ASSISTANT_REPLY, HistoryChats
-from gateway.bench.history_report import history_target
+from gateway.bench.lab.history import ASSISTANT_REPLY, HistoryChats
+from gateway.bench.lab.history_report import history_target
 from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve

@@ -32,7 +32,7 @@ from adapters.base import ToolGroup as PromptGroup
 from adapters.base import ToolSpec
 from gateway.bench.client import BenchClient, Expected, Sample
 from gateway.bench.context import Context, Plan, ScenarioResult
-from gateway.bench.fleet_metrics import (
+from gateway.bench.lab.fleet_metrics import (
     ROUTED,
     Metrics,
     compiles,
