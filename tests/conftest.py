@@ -62,8 +62,9 @@ def openai_schema() -> Callable[[str, Any], None]:
 
 
 # Markers by where a test lives (pyproject.toml lists them): `pytest -m "not slow"` is the fast
-# subset (pure functions: seconds), `-m "not browser and not ray"` skips what needs Chromium or Ray.
-_FAST_DIRS = {"unit"}
+# subset (pure functions: seconds): these folders, and a module elsewhere marked `model_free`;
+# `-m "not browser and not ray"` skips what needs Chromium or Ray.
+_FAST_DIRS = {"adapters", "settings", "test_import_rules.py"}
 _BROWSER_FILES = {"test_dashboard_browser.py"}
 
 
@@ -74,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path.resolve().relative_to(root).parts[0] != "serve_ray")
     for item in items:
         parts = item.path.resolve().relative_to(root).parts
-        if parts[0] not in _FAST_DIRS:
+        if parts[0] not in _FAST_DIRS and item.get_closest_marker("model_free") is None:
             item.add_marker(pytest.mark.slow)
         if parts[0] == "serve_ray":
             item.add_marker(pytest.mark.ray)

@@ -17,6 +17,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from gateway.engine.model_info import special_ids
 from gateway.engine.text_stream import TextStream
 
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
+
 TEXT = ("Hello, wörld! 你好，世界 🎉🎉 naïve café — «quotes» ∑x² \n\tdef f(x):\n    return x ** 2\n"
         "The order #A-1042 shipped on 2026-11-25; refund: $12.50 (ok?). Ünïcödé ✓✗ 𝔘𝔫𝔦 👩‍👩‍👧 ")
 

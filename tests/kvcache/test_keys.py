@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
+
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
 BASE = CacheIdentity("model-a", "tok-a", "chatml-1")
 IDS = [1, 2, 3, 4]

@@ -9,6 +9,8 @@ import pytest
 
 from gateway.serving.finite_schemas import has_finite_instance
 
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
+
 NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gateway.kvcache.entry import CacheEntry, LayerKV
 from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.ram_tier import RamTier
+
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
 IDENTITY = CacheIdentity("model", "tok", "chatml-1")
 

@@ -6,9 +6,12 @@ and a record kept without its breakpoints."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from gateway.api.threads import ThreadStore, threaded
 from gateway.protocol.messages import MessagesRequest
+
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
 
 class Clock:

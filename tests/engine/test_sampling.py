@@ -17,6 +17,8 @@ from gateway.engine.sampling import (
 )
 from gateway.engine.text_stream import HeldLogprobs
 
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
+
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-10])
 @pytest.mark.parametrize("temperature", [1e-5, 0.7, 2.0])

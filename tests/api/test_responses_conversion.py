@@ -8,6 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
 from gateway.api.responses.retrieval import InputItemsQuery, listed_items, page
@@ -17,6 +18,8 @@ from gateway.errors import BadRequest, GenerationFailed
 from gateway.protocol.answer import Answer, CallArguments, CallStarted, Ended, Started, TextWritten, ToolCall, Usage
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.protocol.responses_output import ResponseShape, output_of
+
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
                for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}

@@ -3,11 +3,14 @@ trusts token ids, never a hash alone (gateway/engine/chunks.py, prefix_index.py)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gateway.engine.chunks import chunk_ends, reuse_end, turn_opening
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache.block_pool import BlockPool, PoolShape
+
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
 M = 1  # the turn marker in these prompts
 

@@ -15,6 +15,8 @@ from gateway.engine.grammar_text import json_rule, tool_grammar
 from gateway.serving.schema_memo import SchemaMemo
 from tests.conftest import WORKLOADS
 
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
+
 
 def counted(memo: SchemaMemo, calls: list[str], namespace: str, schema: Any) -> str:
     def compute() -> str:

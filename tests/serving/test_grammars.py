@@ -19,6 +19,8 @@ from gateway.engine.constraints import GrammarError, GrammarLimit, Grammars
 from gateway.engine.grammar_text import closed, json_grammar, tool_grammar
 from tests.support.family_models import SETUPS, save_family_tokenizer
 
+pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
+
 ORDER = ToolSpec("get_order_details", "Get an order.",
                  {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]})
 CANCEL = ToolSpec("cancel_order", "Cancel an order.",
