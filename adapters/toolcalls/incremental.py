@@ -1,5 +1,5 @@
 """Streams tool calls as they are generated, for output that follows a family's CallSyntax (a
-constrained turn always does: gateway/engine/constraints.py).
+constrained turn always does: gateway/serving/grammars.py).
 
 A call's start (`index`, name) goes out as soon as its name's closing quote arrives, then its
 arguments in fragments as they are written, the model's JSON text verbatim, so the fragments

@@ -8,7 +8,7 @@ therefore cut at the same places whether it is served cold, as a hit or from an 
 
 - the tool group `[0, G)`: every `chunk_tokens` from 0, and G;
 - the rest: where an assistant turn opens (the generation prompt's tokens, `<|im_start|>assistant`
-  in ChatML, see `turn_opening`), and every `chunk_tokens` after the last opening (or after G);
+  in ChatML, serving/prompt_tokens.py `turn_opening`), and every `chunk_tokens` after the last opening (or after G);
 - and the prompt's end.
 
 A later prompt may reuse an earlier one's KV up to a position that is a chunk end in both and
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Sequence
-from typing import Any
 
 
 def chunk_ends(ids: Sequence[int], group_len: int, chunk_tokens: int, opening: Sequence[int]) -> list[int]:
@@ -74,34 +73,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     while at < limit and a[at] == b[at]:
         at += 1
     return at
-
-
-def turn_opening(tokenizer: Any, template: str | None) -> tuple[int, ...]:
-    """The tokens that open an assistant turn: the generation prompt's, up to its last non-blank
-    token (ChatML's `<|im_start|>`, `assistant`; Llama 3's `<|start_header_id|>`, `assistant`,
-    `<|end_header_id|>`: the blank line after it tokenizes differently once an answer follows).
-    For a template without a generation prompt (Mistral), the first special token of a rendered
-    user turn that is not BOS (`[INST]`). Empty when there is none: the rest of the prompt is then
-    cut every `chunk_tokens` only (reuse then stops at the last such cut before the first new
-    token)."""
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    special.update(int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
-    user = [{"role": "user", "content": "x"}]
-    try:
-        bare = str(tokenizer.apply_chat_template(user, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=False))
-        prompted = str(tokenizer.apply_chat_template(user, chat_template=template, tokenize=False,
-                                                     add_generation_prompt=True))
-    except Exception:  # a template that cannot render one user message has no turns to find
-        return ()
-    generation = prompted[len(bare):] if prompted.startswith(bare) else ""
-    if generation:
-        ids = [int(t) for t in tokenizer(generation, add_special_tokens=False)["input_ids"]]
-        while ids and not tokenizer.decode(ids[-1:]).strip():
-            ids.pop()
-        return tuple(ids) if ids and ids[0] in special else ()
-    bos = getattr(tokenizer, "bos_token_id", None)
-    for token in tokenizer(bare, add_special_tokens=False)["input_ids"]:
-        if token in special and token != bos:
-            return (int(token),)
-    return ()

@@ -53,6 +53,7 @@ from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.staging import staged
 from gateway.engine.stats import DeviceSpan, EngineStats, StepLog, StepRecord
+from gateway.engine.tokenizer import Tokenizer
 from gateway.engine.warmup import warm_up
 from gateway.kvcache.block_pool import BlockPool
 from gateway.kvcache.entry import CacheEntry
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, store: PrefixStore,
+    def __init__(self, model: Any, tokenizer: Tokenizer, info: ModelInfo, store: PrefixStore,
                  *, min_prefix_tokens: int, max_queue: int, device: torch.device,
                  pool_bytes: int = 2 * 1024**3, block_tokens: int = 16, chunk_tokens: int = 128,
                  max_batch: int = 8, turn_opening: tuple[int, ...] = (), conversation_reuse: bool = True,

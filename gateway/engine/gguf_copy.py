@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gateway.engine.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
@@ -75,7 +77,7 @@ def find_copy(root: Path, key: CopyKey) -> Path | None:
     return None
 
 
-def write_copy(root: Path, key: CopyKey, model: Any, tokenizer: Any) -> Path | None:
+def write_copy(root: Path, key: CopyKey, model: Any, tokenizer: Tokenizer) -> Path | None:
     """Write `model`'s weights and config and `tokenizer` as a copy for `key`; None (and a warning)
     when it cannot be written: the copy is only a faster next start."""
     from safetensors.torch import save_file

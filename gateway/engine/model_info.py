@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gateway.engine.tokenizer import Tokenizer
 from gateway.kvcache.block_pool import PoolShape
 from gateway.kvcache.keys import CacheIdentity
 
@@ -23,7 +24,7 @@ class ModelInfo:
     pool_shape: PoolShape | None = None
 
     @classmethod
-    def of(cls, model: Any | None, tokenizer: Any, identity: CacheIdentity | None = None) -> ModelInfo:
+    def of(cls, model: Any | None, tokenizer: Tokenizer, identity: CacheIdentity | None = None) -> ModelInfo:
         """`model` None: what the tokenizer alone tells (a service that only renders prompts)."""
         scored = int(getattr(model.config, "vocab_size", 0) or 0) if model is not None else 0
         return cls(eos_ids=eos_ids(model, tokenizer) if model is not None else frozenset(),
@@ -46,7 +47,7 @@ def pool_shape(model: Any) -> PoolShape:
     return PoolShape(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
-def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def eos_ids(model: Any, tokenizer: Tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -61,7 +62,7 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def special_ids(tokenizer: Any) -> frozenset[int]:
+def special_ids(tokenizer: Tokenizer) -> frozenset[int]:
     ids = set(getattr(tokenizer, "all_special_ids", ()))
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))

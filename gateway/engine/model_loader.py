@@ -17,6 +17,7 @@ import torch
 
 from gateway.engine.cpu_threads import usable_cpus
 from gateway.engine.gguf_copy import CopyKey, copies_dir, find_copy, remove_copy, write_copy
+from gateway.engine.tokenizer import Tokenizer
 from gateway.settings import DEFAULT_MODEL, Settings, SettingsError, read_chat_template
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class ModelSource:
 @dataclass(slots=True)
 class LoadedModel:
     model: Any
-    tokenizer: Any
+    tokenizer: Tokenizer
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
@@ -236,7 +237,7 @@ def file_digest(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,7 @@ from gateway.engine.prefix_index import Record
 from gateway.engine.sampling import Sampler
 from gateway.engine.stats import DeviceSpan
 from gateway.engine.text_stream import HeldLogprobs, TextStream
+from gateway.engine.tokenizer import Tokenizer
 from gateway.kvcache.block_pool import BlockRun
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
@@ -70,7 +71,7 @@ class Sequence:
     _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
-    def admitted(cls, job: Job, placed: Placement, tokenizer: Any, special_ids: frozenset[int]) -> Sequence:
+    def admitted(cls, job: Job, placed: Placement, tokenizer: Tokenizer, special_ids: frozenset[int]) -> Sequence:
         """The sequence of an admitted job, its KV where the cache manager placed it."""
         stop = job.params.stop if job.warm is None else ()
         stream = TextStream(tokenizer, stop, special_ids, job.keep_token_ids, job.stop_before)

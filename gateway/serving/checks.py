@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from adapters.base import ToolSpec
+from gateway.engine import Tokenizer
 from gateway.errors import BadRequest
 from gateway.protocol import chat as protocol
 from gateway.protocol.chat import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
@@ -58,7 +59,7 @@ def forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | None
     return names[0] if req.tool_mode == "required" and len(names) == 1 else None
 
 
-def max_token_chars(tokenizer: Any) -> int:
+def max_token_chars(tokenizer: Tokenizer) -> int:
     """The most characters one token can stand for. A vocabulary entry's string has one character
     per byte (byte-level BPE) or per character (SentencePiece's `▁` for a space), and a character
     is at least one byte, so no token covers more characters than its entry is long. (This holds
@@ -66,7 +67,7 @@ def max_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
-def marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:
+def marker_ids(tokenizer: Tokenizer, markers: tuple[str, ...]) -> frozenset[int]:
     """Ids of the family's call markers that are single tokens in this vocabulary."""
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[m] for m in markers if m in vocab)
@@ -74,7 +75,7 @@ def marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:
 
 
 
-def special_markers(tokenizer: Any, markers: tuple[str, ...], special: frozenset[int]) -> dict[str, int]:
+def special_markers(tokenizer: Tokenizer, markers: tuple[str, ...], special: frozenset[int]) -> dict[str, int]:
     """The family's call markers that are special tokens here: a grammar names them by id."""
     vocab = tokenizer.get_vocab()
     return {m: vocab[m] for m in markers if m in vocab and vocab[m] in special}

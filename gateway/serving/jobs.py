@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.engine import EngineEvent, Finished, Job, Prefilled
-from gateway.engine.sampling import TokenLogprob
+from gateway.engine import EngineEvent, Finished, Job, Prefilled, TokenLogprob
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Usage
 

@@ -47,6 +47,7 @@ from typing import Any
 import orjson
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec, arguments_object
+from gateway.engine import Tokenizer
 from gateway.errors import BadRequest
 
 _MASK_BASE = 0x100000  # Supplementary Private Use Area-B: no tokenizer or client text means anything by it
@@ -56,7 +57,7 @@ _MAX_MASK_ROUNDS = 8  # a control token overlapping a masked one may match once 
 class LiteralSpecials:
     """The model's special tokens, kept out of client text (see the module doc)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.specials = special_tokens(tokenizer)
         by_length = sorted(self.specials, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
@@ -145,7 +146,7 @@ def _aligned(ends: list[int], first: int, last: int, stop: int) -> bool:
     return first <= last and (first == last or ends[last - 1] == stop) and last <= len(ends)
 
 
-def special_tokens(tokenizer: Any) -> dict[str, int]:
+def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     """The tokenizer's special added tokens ({text: id}): the control tokens a template writes."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return {token.content: int(token_id) for token_id, token in decoder.items()

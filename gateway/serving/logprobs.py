@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gateway.engine.sampling import TokenLogprob
+from gateway.engine import Tokenizer, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log probability too small to write (-inf)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -29,7 +29,7 @@ class TokenTexts:
     """Each token's UTF-8 bytes as the tokenizer's decoder writes them into text (read once per
     token, on first use) and the logprob entries built from them."""
 
-    def __init__(self, tokenizer: Any, special_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, special_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
         self._special = frozenset(special_ids)
         self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
@@ -124,7 +124,7 @@ def _item(raw: bytes, logprob: float) -> dict[str, Any]:
             "logprob": logprob if math.isfinite(logprob) else LOGPROB_FLOOR, "bytes": list(raw)}
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+def _is_byte_level(tokenizer: Tokenizer) -> bool:
     """True for a byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's, SmolLM's): its pieces are
     bytes mapped to printable characters."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)

@@ -1,6 +1,6 @@
 """What a request's output is held to: the call `tool_choice` forces, the grammar its tokens
-follow (tools, `response_format`: gateway/engine/grammar_text.py, compiled per tenant by
-gateway/engine/constraints.py), and where stop sequences stop applying."""
+follow (tools, `response_format`: grammar_text.py, compiled per tenant by grammars.py into the
+engine's `Constraint`), and where stop sequences stop applying."""
 
 from __future__ import annotations
 
@@ -8,19 +8,20 @@ from collections.abc import Callable
 from typing import Any
 
 from adapters.base import ChatFamily, ToolSpec
-from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Constraint, GrammarError, Grammars
-from gateway.engine.grammar_text import Mode, Rule, json_grammar, json_rule, tool_grammar
+from gateway.engine import Constraint, Tokenizer
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.checks import forced_name, special_markers
 from gateway.serving.finite_schemas import has_finite_instance
+from gateway.serving.grammar_text import Mode, Rule, json_grammar, json_rule, tool_grammar
+from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, GrammarError, Grammars
 from gateway.serving.jobs import ForcedCall
 from gateway.serving.schema_memo import SchemaMemo
 
 
 class OutputGrammar:
-    def __init__(self, tokenizer: Any, info: ModelInfo, family: ChatFamily, *, max_string_chars: int = 0,
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo, family: ChatFamily, *, max_string_chars: int = 0,
                  reserve_tokens: int = 0, grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         self.family = family
         self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_ids, grammar_cache_bytes)  # per tenant
@@ -53,7 +54,7 @@ class OutputGrammar:
 
     def constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
                    forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
-        """The grammar this request's output must follow (gateway/engine/grammar_text.py), having
+        """The grammar this request's output must follow (grammar_text.py), having
         consumed the forced opening; None when the output is free text. Compiled grammars are
         reused only within `tenant` (no cross-tenant timing)."""
         answer = req.response_format.answer_schema if req.response_format is not None else None

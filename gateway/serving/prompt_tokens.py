@@ -1,4 +1,5 @@
-"""Tokenizing rendered prompts, and the cut at the end of the tool group.
+"""Tokenizing rendered prompts, and the cut at the end of the tool group; the tokens that open an
+assistant turn, where the engine cuts a prompt's chunks (`turn_opening`, engine/chunks.py).
 
 The whole prompt is tokenized as one text, and the prefix is every token that ends inside the tool
 group's text; never the group tokenized on its own, because BPE merges across the boundary.
@@ -37,7 +38,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from gateway.engine import Tokenizer
 
 MAX_HEADS = 256  # distinct (tenant, tool-group text) pairs remembered in all
 MAX_HEADS_PER_NAMESPACE = 64  # one tenant cannot evict every other tenant's heads
@@ -57,7 +59,7 @@ def _noop() -> None:
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Any, max_heads: int = MAX_HEADS,
+    def __init__(self, tokenizer: Tokenizer, max_heads: int = MAX_HEADS,
                  max_heads_per_namespace: int = MAX_HEADS_PER_NAMESPACE, max_bytes: int = MAX_HEAD_BYTES) -> None:
         self.tokenizer = tokenizer
         self.max_heads = max_heads
@@ -195,7 +197,7 @@ def _cut(ends: list[int], prefix_chars: int) -> int:
     return bisect.bisect_right(ends, prefix_chars) if prefix_chars else 0
 
 
-def _boundary_tokens(tokenizer: Any) -> dict[str, int]:
+def _boundary_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     """Special added tokens that split the text as-is ({content: id}); none for slow tokenizers."""
     if not getattr(tokenizer, "is_fast", False):
         return {}
@@ -206,3 +208,34 @@ def _boundary_tokens(tokenizer: Any) -> dict[str, int]:
         if getattr(token, "special", False) and plain and token.content:
             out[token.content] = int(token_id)
     return out
+
+
+def turn_opening(tokenizer: Tokenizer, template: str | None) -> tuple[int, ...]:
+    """The tokens that open an assistant turn: the generation prompt's, up to its last non-blank
+    token (ChatML's `<|im_start|>`, `assistant`; Llama 3's `<|start_header_id|>`, `assistant`,
+    `<|end_header_id|>`: the blank line after it tokenizes differently once an answer follows).
+    For a template without a generation prompt (Mistral), the first special token of a rendered
+    user turn that is not BOS (`[INST]`). Empty when there is none: the rest of the prompt is then
+    cut every `chunk_tokens` only (reuse then stops at the last such cut before the first new
+    token)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    special.update(int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
+    user = [{"role": "user", "content": "x"}]
+    try:
+        bare = str(tokenizer.apply_chat_template(user, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=False))
+        prompted = str(tokenizer.apply_chat_template(user, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True))
+    except Exception:  # a template that cannot render one user message has no turns to find
+        return ()
+    generation = prompted[len(bare):] if prompted.startswith(bare) else ""
+    if generation:
+        ids = [int(t) for t in tokenizer(generation, add_special_tokens=False)["input_ids"]]
+        while ids and not tokenizer.decode(ids[-1:]).strip():
+            ids.pop()
+        return tuple(ids) if ids and ids[0] in special else ()
+    bos = getattr(tokenizer, "bos_token_id", None)
+    for token in tokenizer(bare, add_special_tokens=False)["input_ids"]:
+        if token in special and token != bos:
+            return (int(token),)
+    return ()

@@ -13,7 +13,6 @@ from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
 from adapters.toolcalls.vllm_names import adapter_for
 from gateway.engine import Engine, attention, models
-from gateway.engine.chunks import turn_opening
 from gateway.engine.cpu_threads import ThreadGovernor, usable_cpus
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
@@ -26,6 +25,7 @@ from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
 from gateway.serving.cache_admin import read_configured_groups, warm_configured
 from gateway.serving.kv_pool_size import kv_pool_size
+from gateway.serving.prompt_tokens import turn_opening
 from gateway.serving.service import ChatService
 from gateway.settings import Settings, format_size
 

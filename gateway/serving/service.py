@@ -19,10 +19,21 @@ from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
 from adapters.toolcalls import ContentDelta
 from adapters.toolcalls.incremental import SyntaxStreamer
-from gateway.engine import Engine, EngineEvent, Failed, Finished, Job, Prefilled, QueueFull, TextDelta, TooLarge
-from gateway.engine.constraints import GRAMMAR_CACHE_BYTES, Grammars
+from gateway.engine import (
+    Engine,
+    EngineEvent,
+    Failed,
+    Finished,
+    Job,
+    Prefilled,
+    QueueFull,
+    SamplingParams,
+    TextDelta,
+    Tokenizer,
+    TokenLogprob,
+    TooLarge,
+)
 from gateway.engine.model_info import ModelInfo
-from gateway.engine.sampling import SamplingParams, TokenLogprob
 from gateway.errors import (
     APIError,
     BadRequest,
@@ -44,6 +55,7 @@ from gateway.serving.checks import (
     marker_ids,
     max_token_chars,
 )
+from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
 from gateway.serving.jobs import Outcome, Prepared, unset_emit, usage_of
 from gateway.serving.literal_specials import LiteralSpecials, cut
 from gateway.serving.logprobs import StreamLogprobs, TokenTexts
@@ -58,7 +70,7 @@ def _nothing() -> None:
 
 
 class ChatService:
-    def __init__(self, engine: Engine, info: ModelInfo, tokenizer: Any, family: ChatFamily, model_name: str,
+    def __init__(self, engine: Engine, info: ModelInfo, tokenizer: Tokenizer, family: ChatFamily, model_name: str,
                  context_len: int, metrics: Metrics, *, cache_enabled: bool, default_max_tokens: int,
                  max_string_chars: int = 0, reserve_tokens: int = 0, grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
                  tokenizer_heads_bytes: int = MAX_HEAD_BYTES) -> None:

@@ -36,7 +36,7 @@ from gateway.api.responses.store import (
     Turn,
 )
 from gateway.edge.auth import tenant_salt
-from gateway.engine.constraints import grammar_bytes
+from gateway.serving.grammars import grammar_bytes
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache import pins as pins_module
 from gateway.kvcache.block_pool import BlockPool, PoolShape

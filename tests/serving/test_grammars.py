@@ -15,8 +15,9 @@ from transformers import AutoTokenizer
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
-from gateway.engine.constraints import GrammarError, GrammarLimit, Grammars
-from gateway.engine.grammar_text import closed, json_grammar, tool_grammar
+from gateway.engine.constraints import GrammarLimit
+from gateway.serving.grammar_text import closed, json_grammar, tool_grammar
+from gateway.serving.grammars import GrammarError, Grammars
 from tests.support.family_models import SETUPS, save_family_tokenizer
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset

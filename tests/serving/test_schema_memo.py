@@ -11,7 +11,7 @@ import pytest
 
 from adapters.base import ToolSpec
 from adapters.families import get_family
-from gateway.engine.grammar_text import json_rule, tool_grammar
+from gateway.serving.grammar_text import json_rule, tool_grammar
 from gateway.serving.schema_memo import SchemaMemo
 from tests.conftest import WORKLOADS
 

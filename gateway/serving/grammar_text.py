@@ -1,4 +1,5 @@
-"""The Lark text of a request's output grammar (compiled and matched by constraints.py).
+"""The Lark text of a request's output grammar (compiled by grammars.py, matched by the engine's
+constraints.py).
 
 What is constrained (`tool_grammar`, `json_grammar`):
 - `tool_choice: "required"`: one call (several when `parallel_tool_calls` allows) to a listed
