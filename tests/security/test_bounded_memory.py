@@ -36,11 +36,11 @@ from gateway.api.responses.store import (
     Turn,
 )
 from gateway.edge.auth import tenant_salt
-from gateway.serving.grammars import grammar_bytes
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache import pins as pins_module
 from gateway.kvcache.block_pool import BlockPool, PoolShape
 from gateway.kvcache.pins import Pins
+from gateway.serving.grammars import grammar_bytes
 from gateway.serving.schema_memo import SchemaMemo
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
