@@ -48,7 +48,7 @@ async def warm(request: Request) -> JSONResponse:
     warmed = await asyncio.wrap_future(future)
     await asyncio.to_thread(runtime.store.flush, _WRITE_TIMEOUT_S)
     if body.pin:
-        pinned = await asyncio.to_thread(pin_entry, runtime.store, warmed.digest, settings.pinned_budget_bytes, "pin")
+        pinned = await asyncio.to_thread(pin_entry, runtime.admin, warmed.digest, settings.pinned_budget_bytes, "pin")
         warmed = dataclasses.replace(warmed, pinned=pinned is not None)
     elif runtime.store.pins.is_pinned(warmed.digest):
         warmed = dataclasses.replace(warmed, pinned=True)
@@ -59,7 +59,7 @@ async def warm(request: Request) -> JSONResponse:
 async def list_entries(request: Request) -> JSONResponse:
     """Every entry (each says whether it is pinned), and the pinned bytes against their budget."""
     runtime = _admin_runtime(request)
-    infos = await asyncio.to_thread(runtime.store.entries)
+    infos = await asyncio.to_thread(runtime.admin.entries)
     settings: Settings = request.app.state.settings
     return JSONResponse({"object": "list", "data": [entry_dict(i) for i in infos],
                          "pinned_bytes": runtime.store.pinned_bytes(),
@@ -70,18 +70,17 @@ async def list_entries(request: Request) -> JSONResponse:
 async def get_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    infos = await asyncio.to_thread(runtime.store.entries)
-    for info in infos:
-        if info.digest == digest:
-            return JSONResponse(entry_dict(info))
-    raise unknown_entry(digest)
+    info = await asyncio.to_thread(runtime.admin.find, digest)
+    if info is None:
+        raise unknown_entry(digest)
+    return JSONResponse(entry_dict(info))
 
 
 @router.delete("/v1/cache/{entry_id}")
 async def delete_entry(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    removed = await asyncio.to_thread(runtime.store.remove, digest)
+    removed = await asyncio.to_thread(runtime.admin.remove, digest)
     if await asyncio.to_thread(runtime.store.files_left, {digest}):
         raise _files_left(1)
     if not removed:
@@ -100,7 +99,7 @@ async def pin(entry_id: str, request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
     settings: Settings = request.app.state.settings
-    info = await asyncio.to_thread(pin_entry, runtime.store, digest, settings.pinned_budget_bytes)
+    info = await asyncio.to_thread(pin_entry, runtime.admin, digest, settings.pinned_budget_bytes)
     if info is None:
         raise unknown_entry(digest)
     return JSONResponse(entry_dict(info))
@@ -111,7 +110,7 @@ async def unpin(entry_id: str, request: Request) -> JSONResponse:
     """Unpin an entry: evictable again (it stays cached until LRU takes it)."""
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    info = await asyncio.to_thread(unpin_entry, runtime.store, digest)
+    info = await asyncio.to_thread(unpin_entry, runtime.admin, digest)
     if info is None:
         raise unknown_entry(digest)
     return JSONResponse(entry_dict(info))
@@ -121,7 +120,7 @@ async def unpin(entry_id: str, request: Request) -> JSONResponse:
 async def clear(request: Request) -> JSONResponse:
     runtime = _admin_runtime(request)
     doomed = await asyncio.to_thread(runtime.store.disk_digests)
-    count = await asyncio.to_thread(runtime.store.clear)
+    count = await asyncio.to_thread(runtime.admin.clear)
     await asyncio.wrap_future(runtime.engine.forget_conversations())
     if left := await asyncio.to_thread(runtime.store.files_left, doomed):
         raise _files_left(left)

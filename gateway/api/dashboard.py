@@ -1,7 +1,7 @@
 """The live dashboard: the page at `/` and its assets, served from `gateway/api/static/` (no CDN), and
 `GET /v1/dashboard/stats`, the numbers the page polls. Everything is read from the app's Prometheus
-registry (after `Runtime.refresh_gauges` has looked at the engine and the store) and from the prefix
-store's public listing and pins; the serving layer knows nothing about the dashboard. The numbers are
+registry (after `Runtime.refresh_gauges` has taken the engine's stats snapshot), from that snapshot's
+RAM listing and from the pins; the serving layer knows nothing about the dashboard. The numbers are
 computed from collected metric families, so the Ray Serve ingress computes the fleet's from its
 replicas' merged series with the same functions (`gateway/proxy/fleet/`, handed this module when the
 app is built)."""
@@ -189,7 +189,7 @@ def ram_groups(runtime: Runtime | None) -> list[dict[str, Any]]:
         return []
     return [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
              "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram",
-             "pinned": e.pinned} for e in runtime.store.ram_entries()[:MAX_GROUP_ROWS]]
+             "pinned": e.pinned} for e in _ram_listing(runtime)[:MAX_GROUP_ROWS]]
 
 
 async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
@@ -200,17 +200,23 @@ async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
         return None
     store = runtime.store
     pinned = store.pins.pinned()
-    in_ram = {e.digest: e for e in store.ram_entries() if e.digest in pinned}
+    in_ram = {e.digest: e for e in _ram_listing(runtime) if e.digest in pinned}
     seen: dict[str, EntryInfo | None] = getattr(app.state, "dashboard_pinned", {})
     seen = {digest: info for digest, info in seen.items() if digest in pinned}
     if unknown := pinned.keys() - in_ram.keys() - seen.keys():
-        listed = {i.digest: i for i in await asyncio.to_thread(store.entries) if i.digest in unknown}
+        listed = {i.digest: i for i in await asyncio.to_thread(runtime.admin.entries) if i.digest in unknown}
         seen.update({digest: listed.get(digest) for digest in unknown})
     app.state.dashboard_pinned = seen
     rows = [_pinned_row(digest, num_bytes, in_ram.get(digest) or seen.get(digest), digest in in_ram)
             for digest, num_bytes in pinned.items()]
     return {"pinned_bytes": sum(pinned.values()), "pinned_budget_bytes": app.state.settings.pinned_budget_bytes,
             "groups": sorted(rows, key=lambda row: row["num_bytes"], reverse=True)[:MAX_GROUP_ROWS]}
+
+
+def _ram_listing(runtime: Runtime) -> tuple[EntryInfo, ...]:
+    """The RAM tier as the engine's last stats snapshot lists it (never read off its thread)."""
+    snapshot = runtime.last_snapshot
+    return snapshot.store.listing if snapshot is not None else ()
 
 
 def _pinned_row(digest: str, num_bytes: int, info: EntryInfo | None, in_ram: bool) -> dict[str, Any]:

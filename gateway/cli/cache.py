@@ -148,7 +148,7 @@ def _compile(runtime: Runtime, request: WarmRequest, settings: Settings) -> Warm
         plan = plan_warm(runtime.service, request, settings.max_tools, settings.max_schema_depth)
         warmed: Warmed = warm_plan(runtime.engine, plan).result()
         if request.pin:
-            pinned = pin_entry(runtime.store, warmed.digest, settings.pinned_budget_bytes, "pin") is not None
+            pinned = pin_entry(runtime.admin, warmed.digest, settings.pinned_budget_bytes, "pin") is not None
             warmed = dataclasses.replace(warmed, pinned=pinned)
         return warmed
     except APIError as exc:

@@ -96,6 +96,8 @@ class Engine:
         self._running: list[Sequence] = []
         self._outputs = OutputProcessor(self._running, self.cache, info.eos_ids, self._readmit)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
+        for owned in (store.owner, self.pool.owner):  # changed on this thread only, once it runs (kvcache/owner.py)
+            owned.bind(self._thread, self.call)
         self._steps = StepLog()
         self.num_steps = 0
         self.num_cancelled = 0  # sequences stopped because their client went away

@@ -1,6 +1,11 @@
-"""What the engine reports about itself: read by the metrics collector and the dashboard through
-`Engine.stats()` and `Engine.drain_steps()`, never through the engine's members; and how it times
-its device's work (`DeviceSpan`)."""
+"""What the engine reports about itself, and how it times its device's work (`DeviceSpan`).
+
+The metrics collector and the dashboard read the engine and its prefix store through a `Snapshot`:
+immutable, taken on the engine's thread between steps (`take_snapshot`, through `engine.call`), so
+nothing outside the engine reads the RAM tier or the block pool while the engine changes them
+(kvcache/owner.py); the runtime keeps the last one for a reader that cannot wait for the engine
+(its queue is full: serving/runtime.py `Runtime.snapshot`). Steps go through `StepLog`, drained
+by the collector (its lock is the boundary between the engine's thread and the collector's)."""
 
 from __future__ import annotations
 
@@ -8,9 +13,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from gateway.kvcache.store import EntryInfo, PrefixStore
+
+if TYPE_CHECKING:
+    from gateway.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +68,32 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Used blocks over all blocks, 0..1 (vLLM's kv_cache_usage_perc)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """The prefix store's RAM tier as of a snapshot (the disk tier and the pins are read where
+    they are: they have their own locks)."""
+
+    ram_entries: int
+    ram_bytes: int
+    listing: tuple[EntryInfo, ...]  # the RAM tier's entries, most recently used first
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The engine and its store at one moment between steps."""
+
+    engine: EngineStats
+    store: StoreStats
+    taken_at: float  # time.time()
+
+
+def take_snapshot(engine: Engine, store: PrefixStore) -> Snapshot:
+    """Run on the engine's thread (`engine.call`), or where no engine runs."""
+    engine.pool.reclaim()  # blocks the disk writer handed back count as free
+    ram = store.ram
+    return Snapshot(engine.stats(), StoreStats(len(ram), ram.num_bytes, tuple(store.ram_entries())), time.time())
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,18 +10,21 @@ read a sequence's two runs in place by their pool offsets.
 
 A run is shared by reference counting: the tool group's run is held by the RAM tier and by every
 sequence that uses it, and written by no one after its compile. Blocks whose count drops to zero
-are free at once. The engine thread is the only one that allocates and writes; counts change from
-the disk writer thread too, so they are guarded by a lock.
+are free at once. The engine thread owns the counts (`owner.py`): it alone allocates, writes,
+retains and releases, so they need no lock. The disk writer, which holds a reference while it
+copies a run to disk, hands the run back (`release_later`, a thread-safe deque: the one thread
+boundary here), and the engine releases it at its next use of the pool or between its steps.
 """
 
 from __future__ import annotations
 
-import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from gateway.kvcache.entry import LayerKV
+from gateway.kvcache.owner import Owner
 
 
 class BlockRun:
@@ -108,7 +111,8 @@ class BlockPool:
                      for _ in range(shape.num_layers)]
         self.values = [torch.zeros_like(k) if device.type == "cuda" else torch.empty_like(k) for k in self.keys]
         self._refs = [0] * self.num_blocks
-        self._lock = threading.Lock()
+        self._handed_back: deque[BlockRun] = deque()  # released by another thread, for the owner to apply
+        self.owner = Owner()
         self.num_used = 0
 
     @property
@@ -130,35 +134,46 @@ class BlockPool:
     def allocate(self, tokens: int) -> BlockRun | None:
         """A run of consecutive free blocks holding `tokens` (first fit), with one reference; None
         when no such run is free now."""
+        self.reclaim()
         need = self.blocks_for(max(tokens, 1))
-        with self._lock:
-            start, length = 0, 0
-            for index, refs in enumerate(self._refs):
-                if refs:
-                    start, length = index + 1, 0
-                    continue
-                length += 1
-                if length == need:
-                    for block in range(start, start + need):
-                        self._refs[block] = 1
-                    self.num_used += need
-                    return BlockRun(self, start, need)
+        start, length = 0, 0
+        for index, refs in enumerate(self._refs):
+            if refs:
+                start, length = index + 1, 0
+                continue
+            length += 1
+            if length == need:
+                for block in range(start, start + need):
+                    self._refs[block] = 1
+                self.num_used += need
+                return BlockRun(self, start, need)
         return None
 
     def retain(self, run: BlockRun) -> None:
-        with self._lock:
-            for block in run.block_ids:
-                assert self._refs[block] > 0, "retain of a freed block"
-                self._refs[block] += 1
+        self.owner.check()
+        for block in run.block_ids:
+            assert self._refs[block] > 0, "retain of a freed block"
+            self._refs[block] += 1
 
     def release(self, run: BlockRun) -> None:
-        with self._lock:
-            for block in run.block_ids:
-                assert self._refs[block] > 0, "release of a freed block"
-                self._refs[block] -= 1
-                if self._refs[block] == 0:
-                    self.num_used -= 1
+        self.owner.check()
+        for block in run.block_ids:
+            assert self._refs[block] > 0, "release of a freed block"
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self.num_used -= 1
+
+    def release_later(self, run: BlockRun) -> None:
+        """Release `run` from any thread: the owner applies it at its next use of the pool, and is
+        asked to do so between its steps (so an idle engine frees the blocks too)."""
+        self._handed_back.append(run)
+        self.owner.soon(self.reclaim)
+
+    def reclaim(self) -> None:
+        """Apply the releases other threads handed back (the owner's thread)."""
+        self.owner.check()
+        while self._handed_back:
+            self.release(self._handed_back.popleft())
 
     def refs(self, block: int) -> int:
-        with self._lock:
-            return self._refs[block]
+        return self._refs[block]

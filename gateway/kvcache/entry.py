@@ -70,6 +70,11 @@ class CacheEntry:
         if self.blocks is not None:
             self.blocks.release()
 
+    def release_later(self) -> None:
+        """`release` from a thread that does not own the pool (the disk writer's)."""
+        if self.blocks is not None:
+            self.blocks.pool.release_later(self.blocks)
+
     def touch(self) -> None:
         self.hits += 1
         self.last_used_at = time.time()

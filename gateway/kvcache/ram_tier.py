@@ -4,17 +4,21 @@ An entry kept here holds a reference to its KV pool blocks; removing it gives th
 `guard(digest)` says how strongly an entry is held (`pins.Level`): LRU eviction takes unprotected
 entries only; a retained entry (within its tenant's share of the retained budget: past it, a
 retention protects nothing) goes only to make room for a pinned one, or when the pool asks for
-more (`evict_oldest(up_to=...)`); a pinned one only when the pool asks for it explicitly."""
+more (`evict_oldest(up_to=...)`); a pinned one only when the pool asks for it explicitly.
+
+Owned by the engine's thread (`owner.py`): every change, a match's LRU move included, is checked
+to come from it, so the tier needs no lock. Other threads see it through the engine's stats
+snapshot (engine/stats.py) or ask the engine (`engine.call`)."""
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.owner import Owner
 from gateway.kvcache.pins import Level
 
 
@@ -35,7 +39,7 @@ class RamTier:
         self.guard = guard
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
         self._locks: dict[str, int] = {}
-        self._mutex = threading.Lock()
+        self.owner = Owner()
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -43,91 +47,89 @@ class RamTier:
 
     def match(self, key: PrefixKey) -> CacheEntry | None:
         """The entry for `key`, marked most recently used; None if absent or not an exact match."""
-        with self._mutex:
-            entry = self._entries.get(key.digest)
-            if entry is None or not entry.matches(key):
-                return None
-            self._entries.move_to_end(key.digest)
-            return entry
+        self.owner.check()
+        entry = self._entries.get(key.digest)
+        if entry is None or not entry.matches(key):
+            return None
+        self._entries.move_to_end(key.digest)
+        return entry
 
     def peek(self, digest: str) -> CacheEntry | None:
         """The entry kept under `digest`, without marking it used."""
-        with self._mutex:
-            return self._entries.get(digest)
+        return self._entries.get(digest)
 
     def holds(self, entry: CacheEntry) -> bool:
         """Whether this very entry is kept here (without marking it used)."""
-        with self._mutex:
-            return self._entries.get(entry.key.digest) is entry
+        return self._entries.get(entry.key.digest) is entry
 
     def can_insert(self, entry: CacheEntry) -> bool:
         return entry.num_bytes <= self.budget_bytes
 
     def insert(self, entry: CacheEntry) -> list[Eviction]:
         """Store `entry` as most recently used, evicting unlocked LRU entries to fit the budget."""
-        with self._mutex:
-            if not self.can_insert(entry):
-                return []
-            entry.retain()  # the tier's own reference to the entry's pool blocks (taken first: the
-            self._remove(entry.key.digest)  # entry may be the one it replaces)
-            # an unprotected or retained entry makes room among unprotected ones; a pinned one
-            # among retained ones too
-            below = max(self.guard(entry.key.digest), Level.RETAINED)
-            evicted = self._evict_for(entry.num_bytes, below)
-            if self.num_bytes + entry.num_bytes > self.budget_bytes:
-                entry.release()
-                return evicted  # the rest is locked or protected; the entry is used once, not kept
-            self._entries[entry.key.digest] = entry
-            self.num_bytes += entry.num_bytes
-            return evicted
+        self.owner.check()
+        if not self.can_insert(entry):
+            return []
+        entry.retain()  # the tier's own reference to the entry's pool blocks (taken first: the
+        self._remove(entry.key.digest)  # entry may be the one it replaces)
+        # an unprotected or retained entry makes room among unprotected ones; a pinned one
+        # among retained ones too
+        below = max(self.guard(entry.key.digest), Level.RETAINED)
+        evicted = self._evict_for(entry.num_bytes, below)
+        if self.num_bytes + entry.num_bytes > self.budget_bytes:
+            entry.release()
+            return evicted  # the rest is locked or protected; the entry is used once, not kept
+        self._entries[entry.key.digest] = entry
+        self.num_bytes += entry.num_bytes
+        return evicted
 
     def lock(self, digest: str) -> None:
-        with self._mutex:
-            self._locks[digest] = self._locks.get(digest, 0) + 1
+        self.owner.check()
+        self._locks[digest] = self._locks.get(digest, 0) + 1
 
     def unlock(self, digest: str) -> None:
-        with self._mutex:
-            count = self._locks.get(digest, 0) - 1
-            if count > 0:
-                self._locks[digest] = count
-            else:
-                self._locks.pop(digest, None)
+        self.owner.check()
+        count = self._locks.get(digest, 0) - 1
+        if count > 0:
+            self._locks[digest] = count
+        else:
+            self._locks.pop(digest, None)
 
     def remove(self, digest: str) -> bool:
-        with self._mutex:
-            return self._remove(digest)
+        self.owner.check()
+        return self._remove(digest)
 
-    def clear(self) -> int:
-        with self._mutex:
-            digests = [d for d in self._entries if d not in self._locks]
-            for digest in digests:
-                self._remove(digest)
-            return len(digests)
+    def clear(self) -> list[str]:
+        """Drop every entry not in use; returns their digests."""
+        self.owner.check()
+        digests = [d for d in self._entries if d not in self._locks]
+        for digest in digests:
+            self._remove(digest)
+        return digests
 
     def entries(self) -> list[CacheEntry]:
-        """Entries, least recently used first."""
-        with self._mutex:
-            return list(self._entries.values())
+        """Entries, least recently used first (the owner's view: others read the stats snapshot)."""
+        return list(self._entries.values())
 
     def evict_oldest(self, up_to: Level = Level.NONE) -> Eviction | None:
         """Drop the least recently used entry not in use (the pool needs its blocks), of the
         lowest protection level there is, up to `up_to`."""
-        with self._mutex:
-            found: tuple[Level, str] | None = None
-            for digest in self._entries:  # least recently used first
-                if digest in self._locks:
-                    continue
-                level = self.guard(digest)
-                if level <= up_to and (found is None or level < found[0]):
-                    found = (level, digest)
-                    if level is Level.NONE:
-                        break
-            if found is None:
-                return None
-            level, digest = found
-            evicted = Eviction(digest, self._entries[digest].num_bytes, level)
-            self._remove(digest)
-            return evicted
+        self.owner.check()
+        found: tuple[Level, str] | None = None
+        for digest in self._entries:  # least recently used first
+            if digest in self._locks:
+                continue
+            level = self.guard(digest)
+            if level <= up_to and (found is None or level < found[0]):
+                found = (level, digest)
+                if level is Level.NONE:
+                    break
+        if found is None:
+            return None
+        level, digest = found
+        evicted = Eviction(digest, self._entries[digest].num_bytes, level)
+        self._remove(digest)
+        return evicted
 
     def _levels(self) -> dict[str, Level]:
         """The protection level of every entry not in use, least recently used first."""

@@ -6,6 +6,26 @@ miss (or a skipped write) plus a counter plus a warning, never a failed request.
 Entries may be pinned (never evicted by LRU pressure or the disk budget) or retained until a
 deadline (a request's `prompt_cache_retention`); `pins` keeps both, on disk beside the entries
 when there is a disk tier, so they survive a restart.
+
+Who may call what: the engine's thread owns the in-memory state (the RAM tier's entries, LRU order
+and in-use counts, and through them the KV pool's block references: `owner.py` checks it), so
+the methods under "engine thread" run there (or where no engine runs: start-up, the CLI, tests).
+The disk tier and the pins are shared anyway, with the disk writer thread, the pins watcher and
+the other processes on the cache dir, and keep their own locks; the methods under "any thread"
+touch only them and never block the engine. A route's change is one of each in turn: the RAM part
+through `engine.call`, then the disk part on the route's worker thread (serving/store_admin.py).
+The whole-store methods (`entries`, `pin`, `remove`, `clear`, ...) are the same two parts on one
+thread, for a caller that owns the store.
+
+Locks (six, down from eight: the RAM tier's and the block pool's went when the engine became
+their only user), each at a real thread boundary:
+- `Tally`: counted on the engine and disk writer threads, drained by the metrics collector;
+- `BackgroundWriter`'s condition: the queue between the engine and the disk writer thread;
+- `Pins`: its maps (`_lock`) and its file's read-merge-write (`_io_lock`), shared by the engine
+  (eviction asks for levels), the pins watcher and saver threads and the routes' worker threads;
+- the disk tier's `BadFiles` and `Clock` (disk_files.py): used by the engine's reads, the disk
+  writer's saves and the routes' listings.
+The block pool's hand-back queue (`BlockPool.release_later`) is a thread-safe deque, not a lock.
 """
 
 from __future__ import annotations
@@ -15,21 +35,21 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
+from gateway.kvcache.disk_writer import BackgroundWriter
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.owner import Owner
 from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 from gateway.kvcache.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
 
 Tier = Literal["ram", "disk"]
-_MAX_PENDING_WRITES = 16  # each pending write holds its entry's tensors alive
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +104,10 @@ class PrefixStore:
         self.pins = disk.pins if disk is not None else Pins(None)
         self.pins.retained_budget_bytes = retained_budget_bytes
         ram.guard = self.pins.level
+        self.owner = ram.owner = Owner()  # the engine binds it to its thread (Engine.__init__)
         self._writer = BackgroundWriter(self._persist) if disk is not None else None
+
+    # ---- engine thread: lookups and inserts ----------------------------------------------------
 
     def lookup(self, key: PrefixKey) -> Found | None:
         entry = self.ram.match(key)
@@ -113,10 +136,12 @@ class PrefixStore:
 
     def quarantine(self, entry: CacheEntry, kind: str, reason: str) -> None:
         """Drop an entry found bad in use (its KV gave non-finite logits) from every tier, set
-        its file aside, and count it: the next lookup recomputes it."""
+        its file aside, and count it: the next lookup recomputes it. Rare: it waits out a write
+        of the entry in flight, so that the file set aside is the last one."""
         digest = entry.key.digest
         if self._writer is not None:
             self._writer.cancel(digest)
+            self._writer.wait_out(digest)
         self.ram.remove(digest)
         if self.disk is not None:
             self.disk.quarantine(digest, kind)
@@ -128,7 +153,7 @@ class PrefixStore:
     def unlock(self, entry: CacheEntry) -> None:
         self.ram.unlock(entry.key.digest)
 
-    # ---- management ----------------------------------------------------------------------------
+    # ---- engine thread: eviction, removal, retention -------------------------------------------
 
     def evict_oldest(self, up_to: Level = Level.NONE) -> bool:
         """Drop the least recently used RAM entry not in use, to give its blocks back to the
@@ -145,22 +170,18 @@ class PrefixStore:
         self.tally.add("eviction", "ram")
         return True
 
-    # ---- pins and retention --------------------------------------------------------------------
+    def drop_from_ram(self, digest: str) -> bool:
+        """Drop the entry from RAM and cancel its pending disk write (one in flight finishes:
+        `drop_from_disk` waits it out); whether RAM held it."""
+        if self._writer is not None:
+            self._writer.cancel(digest)
+        return self.ram.remove(digest)
 
-    def pin(self, digest: str, budget_bytes: int) -> EntryInfo | None:
-        """Pin the entry (None: there is none). Raises `pins.PinBudgetExceeded` when the pinned
-        entries' bytes would pass `budget_bytes`."""
-        info = self.find(digest)
-        if info is None:
-            return None
-        self._forget_vanished_pins()
-        self.pins.pin(digest, info.num_bytes, budget_bytes)
-        return dataclasses.replace(info, pinned=True)
-
-    def unpin(self, digest: str) -> EntryInfo | None:
-        """Unpin the entry: it is evictable again (None: there is no such entry)."""
-        self.pins.unpin(digest)
-        return self.find(digest)
+    def clear_ram(self) -> set[str]:
+        """Drop every RAM entry not in use and cancel every pending disk write; their digests."""
+        if self._writer is not None:
+            self._writer.cancel_all()
+        return set(self.ram.clear())
 
     def retain(self, digest: str, seconds: float, tenant: str = "") -> None:
         """Keep the entry of `digest` (present, or about to be computed) at least `seconds`, within
@@ -170,47 +191,66 @@ class PrefixStore:
         if held is not None:
             self.pins.note_bytes(digest, held.num_bytes)
 
-    def pinned_bytes(self) -> int:
-        return self.pins.pinned_bytes()
+    def ram_entries(self) -> list[EntryInfo]:
+        """The entries held in RAM, most recently used first; never touches the disk (what the
+        engine's stats snapshot lists)."""
+        return [self._held(_ram_info(e)) for e in reversed(self.ram.entries())]
 
-    def find(self, digest: str) -> EntryInfo | None:
-        return next((info for info in self.entries() if info.digest == digest), None)
+    # ---- any thread: the disk and the pins, given the RAM listing ------------------------------
 
-    def _forget_vanished_pins(self) -> None:
-        """Pins whose entry is gone from every tier (e.g. removed with `toolkv cache rm` while
-        this server ran) no longer count against the budget."""
-        in_ram = {e.key.digest for e in self.ram.entries()}
-        gone = [d for d in self.pins.pinned() if d not in in_ram and
-                (self.disk is None or not os.path.lexists(self.disk.path_for(d)))]
-        if gone:
-            self.pins.forget(gone)
-
-    # ---- listing and removing ------------------------------------------------------------------
-
-    def entries(self) -> list[EntryInfo]:
-        """Every entry of this model in any tier, most recently used first, with the pins as the
-        file holds them now (another process's change included)."""
+    def entries_with(self, ram: list[EntryInfo]) -> list[EntryInfo]:
+        """Every entry of this model in any tier (`ram`: the RAM tier's, from `ram_entries`), most
+        recently used first, with the pins as the file holds them now (another process's change
+        included)."""
         self.pins.refresh()
-        merged = {e.key.digest: _ram_info(e) for e in self.ram.entries()}
+        merged = {info.digest: info for info in ram}
         for record in self.disk.records() if self.disk is not None else ():
             held = merged.get(record.digest)
             merged[record.digest] = _disk_info(record) if held is None else _with_disk(held)
         return sorted((self._held(info) for info in merged.values()), key=lambda info: info.last_used_at,
                       reverse=True)
 
-    def ram_entries(self) -> list[EntryInfo]:
-        """The entries held in RAM, most recently used first; never touches the disk (cheap
-        enough for a dashboard that polls)."""
-        return [self._held(_ram_info(e)) for e in reversed(self.ram.entries())]
+    def find_with(self, ram: list[EntryInfo], digest: str) -> EntryInfo | None:
+        return next((info for info in self.entries_with(ram) if info.digest == digest), None)
 
-    def remove(self, digest: str) -> bool:
-        """Drop the entry from every tier (a pending disk write of it is cancelled), and its pin."""
+    def pin_with(self, ram: list[EntryInfo], digest: str, budget_bytes: int) -> EntryInfo | None:
+        """Pin the entry (None: there is none). Raises `pins.PinBudgetExceeded` when the pinned
+        entries' bytes would pass `budget_bytes`."""
+        info = self.find_with(ram, digest)
+        if info is None:
+            return None
+        self._forget_vanished_pins({i.digest for i in ram})
+        self.pins.pin(digest, info.num_bytes, budget_bytes)
+        return dataclasses.replace(info, pinned=True)
+
+    def unpin_with(self, ram: list[EntryInfo], digest: str) -> EntryInfo | None:
+        """Unpin the entry: it is evictable again (None: there is no such entry)."""
+        self.pins.unpin(digest)
+        return self.find_with(ram, digest)
+
+    def drop_from_disk(self, digest: str) -> bool:
+        """After `drop_from_ram`: wait out a write of the entry in flight, then drop its file and
+        its pin; whether a file went."""
         if self._writer is not None:
-            self._writer.cancel(digest)
-        in_ram = self.ram.remove(digest)
+            self._writer.wait_out(digest)
         on_disk = self.disk.remove(digest) if self.disk is not None else False
         self.pins.forget([digest])
-        return in_ram or on_disk
+        return on_disk
+
+    def clear_disk(self, dropped: set[str]) -> int:
+        """After `clear_ram` (which gave `dropped`): wait out the write in flight, drop every file
+        and the pins of all of them; how many distinct entries went."""
+        digests = set(dropped)
+        if self._writer is not None:
+            self._writer.wait_idle()
+        if self.disk is not None:
+            digests.update(r.digest for r in self.disk.records())
+            self.disk.clear()
+        self.pins.forget(digests)
+        return len(digests)
+
+    def pinned_bytes(self) -> int:
+        return self.pins.pinned_bytes()
 
     def disk_digests(self) -> set[str]:
         """The entries of this model on disk (what `clear` removes there)."""
@@ -223,18 +263,31 @@ class PrefixStore:
             return 0
         return sum(os.path.lexists(self.disk.path_for(digest)) for digest in digests)
 
+    # ---- the whole store, for a caller that owns it (no engine runs, or on its thread) ---------
+
+    def entries(self) -> list[EntryInfo]:
+        return self.entries_with(self.ram_entries())
+
+    def find(self, digest: str) -> EntryInfo | None:
+        return self.find_with(self.ram_entries(), digest)
+
+    def pin(self, digest: str, budget_bytes: int) -> EntryInfo | None:
+        return self.pin_with(self.ram_entries(), digest, budget_bytes)
+
+    def unpin(self, digest: str) -> EntryInfo | None:
+        return self.unpin_with(self.ram_entries(), digest)
+
+    def remove(self, digest: str) -> bool:
+        """Drop the entry from every tier (a pending disk write of it is cancelled), and its pin."""
+        in_ram = self.drop_from_ram(digest)
+        return self.drop_from_disk(digest) or in_ram
+
     def clear(self) -> int:
         """Drop every entry not in use, pinned ones too, and their pins; returns how many
         distinct entries went."""
-        if self._writer is not None:
-            self._writer.cancel_all()
-        digests = {e.key.digest for e in self.ram.entries()}
-        self.ram.clear()
-        if self.disk is not None:
-            digests.update(r.digest for r in self.disk.records())
-            self.disk.clear()
-        self.pins.forget(digests)
-        return len(digests)
+        return self.clear_disk(self.clear_ram())
+
+    # ---- any thread: the disk writer -----------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every scheduled disk write is done; False on timeout."""
@@ -249,11 +302,22 @@ class PrefixStore:
 
     # ---- internals -----------------------------------------------------------------------------
 
+    def _forget_vanished_pins(self, in_ram: set[str]) -> None:
+        """Pins whose entry is gone from every tier (e.g. removed with `toolkv cache rm` while
+        this server ran) no longer count against the budget."""
+        gone = [d for d in self.pins.pinned() if d not in in_ram and
+                (self.disk is None or not os.path.lexists(self.disk.path_for(d)))]
+        if gone:
+            self.pins.forget(gone)
+
     def _held(self, info: EntryInfo) -> EntryInfo:
+        """`info` with its pin and retention as they are now (a RAM listing may be older)."""
         level = self.pins.level(info.digest)
-        if level is Level.NONE:
+        pinned = level is Level.PINNED
+        until = 0.0 if level is Level.NONE else self.pins.retain_until(info.digest)
+        if info.pinned == pinned and info.retain_until == until:
             return info
-        return dataclasses.replace(info, pinned=level is Level.PINNED, retain_until=self.pins.retain_until(info.digest))
+        return dataclasses.replace(info, pinned=pinned, retain_until=until)
 
     def _insert_ram(self, entry: CacheEntry) -> None:
         self.pins.note_bytes(entry.key.digest, entry.num_bytes)  # before it competes for room
@@ -286,83 +350,6 @@ class PrefixStore:
     def _fault(self, kind: str, message: str) -> None:
         self.tally.add("error", kind)
         log.warning("%s", message)
-
-
-class BackgroundWriter:
-    """Runs `write(entry)` on its own thread, oldest first, at most once per digest in flight."""
-
-    def __init__(self, write: Callable[[CacheEntry], None], max_pending: int = _MAX_PENDING_WRITES) -> None:
-        self._write = write
-        self._max_pending = max_pending
-        self._pending: dict[str, CacheEntry] = {}  # insertion order = write order
-        self._writing: str | None = None
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="toolkv-disk-writer", daemon=True)
-        self._thread.start()
-
-    def schedule(self, entry: CacheEntry) -> bool:
-        """Queue a write; False when the backlog is full or the writer is closed."""
-        with self._cond:
-            if self._closed or len(self._pending) >= self._max_pending:
-                return False
-            self._pending[entry.key.digest] = entry
-            self._cond.notify_all()
-            return True
-
-    def cancel(self, digest: str) -> None:
-        """Forget a pending write of `digest`, and wait out one in flight."""
-        with self._cond:
-            dropped = self._pending.pop(digest, None)
-            self._cond.wait_for(lambda: self._writing != digest)
-        if dropped is not None:
-            dropped.release()
-
-    def cancel_all(self) -> None:
-        with self._cond:
-            dropped = list(self._pending.values())
-            self._pending.clear()
-            self._cond.wait_for(lambda: self._writing is None)
-        for entry in dropped:
-            entry.release()
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and self._writing is None, timeout_s)
-
-    def close(self, timeout_s: float) -> None:
-        finished = self.flush(timeout_s)
-        with self._cond:
-            self._closed = True
-            dropped = list(self._pending.values())
-            self._pending.clear()
-            for entry in dropped:
-                entry.release()
-            self._cond.notify_all()
-        if not finished:
-            log.warning("disk writes still pending after %.0fs at shutdown; dropped", timeout_s)
-        self._thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        while (entry := self._next()) is not None:
-            try:
-                self._write(entry)
-            except Exception:  # the writer must outlive any one bad write
-                log.exception("disk cache write failed")
-            finally:
-                entry.release()
-                with self._cond:
-                    self._writing = None
-                    self._cond.notify_all()
-
-    def _next(self) -> CacheEntry | None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending or self._closed)
-            if self._closed:
-                return None
-            digest = next(iter(self._pending))
-            self._writing = digest
-            return self._pending.pop(digest)
 
 
 def _ram_info(entry: CacheEntry) -> EntryInfo:

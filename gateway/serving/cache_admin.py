@@ -25,10 +25,11 @@ from gateway.errors import APIError, BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
 from gateway.kvcache.pins import PinBudgetExceeded, PinsNotSaved
-from gateway.kvcache.store import EntryInfo, PrefixStore
+from gateway.kvcache.store import EntryInfo
 from gateway.protocol.chat import ToolIn
 from gateway.serving.checks import check_unique_names
 from gateway.serving.service import ChatService
+from gateway.serving.store_admin import StoreAdmin
 from gateway.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class PinNotSaved(APIError):
     default_code = "pin_not_saved"
 
 
-def pin_entry(store: PrefixStore, digest: str, budget_bytes: int, param: str = "id") -> EntryInfo | None:
+def pin_entry(store: StoreAdmin, digest: str, budget_bytes: int, param: str = "id") -> EntryInfo | None:
     """Pin the entry (None: there is none); past `budget_bytes` pinned, a 400 naming the setting;
     a cache dir that refuses it, a 507."""
     try:
@@ -133,7 +134,7 @@ def pin_entry(store: PrefixStore, digest: str, budget_bytes: int, param: str = "
         raise _not_saved("pin", exc, param) from None
 
 
-def unpin_entry(store: PrefixStore, digest: str) -> EntryInfo | None:
+def unpin_entry(store: StoreAdmin, digest: str) -> EntryInfo | None:
     """Unpin the entry (None: there is none); a cache dir that refuses it, a 507 (still pinned)."""
     try:
         return store.unpin(digest)
@@ -208,7 +209,7 @@ def read_configured_groups(settings: Settings) -> list[ConfiguredGroup]:
     return groups
 
 
-def warm_configured(service: ChatService, store: PrefixStore, groups: list[ConfiguredGroup],
+def warm_configured(service: ChatService, store: StoreAdmin, groups: list[ConfiguredGroup],
                     settings: Settings) -> None:
     """Warm each group (from disk when cached), pinning those to pin, before the server says it
     is ready. A group this model cannot cache is a SettingsError naming its file; a pin past
@@ -226,7 +227,7 @@ def warm_configured(service: ChatService, store: PrefixStore, groups: list[Confi
                  ", pinned" if pinned else "")
 
 
-def _pin_configured(store: PrefixStore, warmed: Warmed, group: ConfiguredGroup, budget_bytes: int) -> bool:
+def _pin_configured(store: StoreAdmin, warmed: Warmed, group: ConfiguredGroup, budget_bytes: int) -> bool:
     try:
         return store.pin(warmed.digest, budget_bytes) is not None
     except PinBudgetExceeded as exc:

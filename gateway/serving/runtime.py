@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -12,11 +14,12 @@ import torch
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
 from adapters.toolcalls.vllm_names import adapter_for
-from gateway.engine import Engine, attention, models
+from gateway.engine import Engine, QueueFull, attention, models
 from gateway.engine.cpu_threads import ThreadGovernor, usable_cpus
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.model_runner import Backend
+from gateway.engine.stats import Snapshot, take_snapshot
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
@@ -27,9 +30,12 @@ from gateway.serving.cache_admin import read_configured_groups, warm_configured
 from gateway.serving.kv_pool_size import kv_pool_size
 from gateway.serving.prompt_tokens import turn_opening
 from gateway.serving.service import ChatService
+from gateway.serving.store_admin import StoreAdmin
 from gateway.settings import Settings, format_size
 
 log = logging.getLogger(__name__)
+
+_SNAPSHOT_WAIT_S = 10.0  # a step, however slow, ends well within this
 
 
 @dataclass(slots=True)
@@ -40,6 +46,30 @@ class Runtime:
     store: PrefixStore
     metrics: Metrics
     _refreshing: bool = False  # a gauge refresh is running on a worker thread
+    _snapshot: Snapshot | None = None  # the last one the engine took
+
+    @property
+    def admin(self) -> StoreAdmin:
+        """The store as routes change it: through the engine's thread (serving/store_admin.py)."""
+        return StoreAdmin(self.engine, self.store)
+
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    async def snapshot(self) -> Snapshot | None:
+        """A snapshot of the engine and its store, taken on the engine's thread between steps;
+        the last one when the engine's queue is full or it does not answer in time."""
+        take = partial(take_snapshot, self.engine, self.store)
+        if not self.store.owner.held_elsewhere():  # not started, or stopped: nothing changes it
+            self._snapshot = take()
+            return self._snapshot
+        try:
+            future = self.engine.call(take)
+            self._snapshot = await asyncio.wait_for(asyncio.wrap_future(future), _SNAPSHOT_WAIT_S)
+        except (QueueFull, TimeoutError):
+            pass
+        return self._snapshot
 
     @property
     def model_name(self) -> str:
@@ -70,14 +100,17 @@ class Runtime:
             return
         self._refreshing = True
         try:
-            await anyio.to_thread.run_sync(self.refresh_gauges)
+            snapshot = await self.snapshot()
+            if snapshot is not None:
+                await anyio.to_thread.run_sync(self.refresh_gauges, snapshot)
         finally:
             self._refreshing = False
 
-    def refresh_gauges(self) -> None:
+    def refresh_gauges(self, snapshot: Snapshot) -> None:
+        """The gauges from `snapshot` (the engine's) and from the disk tier and pins (their own)."""
         m = self.metrics
-        m.cache_entries.labels(tier="ram").set(len(self.store.ram))
-        m.cache_bytes.labels(tier="ram").set(self.store.ram.num_bytes)
+        m.cache_entries.labels(tier="ram").set(snapshot.store.ram_entries)
+        m.cache_bytes.labels(tier="ram").set(snapshot.store.ram_bytes)
         m.cache_pinned_bytes.set(self.store.pinned_bytes())
         m.grammar_cache_bytes.set(self.service.grammars.num_bytes)
         m.tokenizer_heads_bytes.set(self.service.prompt_tokens.num_bytes)
@@ -87,7 +120,7 @@ class Runtime:
             num_files, num_bytes = self.store.disk.usage()
             m.cache_entries.labels(tier="disk").set(num_files)
             m.cache_bytes.labels(tier="disk").set(num_bytes)
-        m.observe_engine(self.engine.stats(), self.engine.drain_steps(), self.model_name)  # and queue depth
+        m.observe_engine(snapshot.engine, self.engine.drain_steps(), self.model_name)  # and queue depth
         for (event, label), count in self.store.tally.drain().items():
             counter = m.evictions.labels(tier=label) if event == "eviction" else m.cache_errors.labels(kind=label)
             counter.inc(count)
@@ -148,7 +181,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
         engine.threads.adjust()
     engine.start()
     try:
-        warm_configured(service, store, configured, settings)
+        warm_configured(service, StoreAdmin(engine, store), configured, settings)
     except BaseException:
         engine.stop()
         raise

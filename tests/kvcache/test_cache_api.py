@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,29 @@ def test_clear_empties_every_tier(api: httpx.Client) -> None:
     assert _cached_tokens(_chat(api, TOOLS)) == 0
     assert api.delete("/cache").json()["deleted"] == 1
     assert _cached_tokens(_chat(api, TOOLS)) == 0  # conversation KV went too, not only the groups
+
+
+def test_routes_change_the_store_on_the_engine_thread_only(api: httpx.Client, live: LiveServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine owns the RAM tier and the pool's block counts (kvcache/owner.py): a delete, a
+    clear and a listing reach them through `engine.call`, never from a route's worker thread."""
+    ram = live.app.state.runtime.store.ram
+    threads: set[str] = set()
+
+    def spy(name: str) -> None:
+        real = getattr(ram, name)
+
+        def recorded(*args: Any) -> Any:
+            threads.add(threading.current_thread().name)
+            return real(*args)
+        monkeypatch.setattr(ram, name, recorded)
+
+    for name in ("remove", "clear", "entries"):
+        spy(name)
+    warmed = _warm(api, tools=TOOLS, system=SYSTEM)
+    assert api.get("/cache").status_code == 200 and api.get("/dashboard/stats").status_code == 200
+    assert api.delete(f"/cache/{warmed['id']}").status_code == 200 and api.delete("/cache").status_code == 200
+    assert threads == {"toolkv-engine"}
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
