@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class VllmParser:
-    parser: str  # toolkv's parser (adapters.toolcalls.get_parser)
+    parser: str  # the syntax's name (a family's `tool_parser`; the tests' oracle: tests/support/toolcalls)
     adapter: str  # the chat family whose calls it reads (adapters.families.get_family)
     syntax: str  # what the calls look like, for the error that lists the choices
 

@@ -1,4 +1,5 @@
-"""Tool-call parsers: whole-text results per syntax, and the stream/whole-text replay invariant."""
+"""The whole-text tool-call parsers (the tests' oracle, tests/support/toolcalls/): results per
+syntax, and the stream/whole-text replay invariant."""
 
 from __future__ import annotations
 
@@ -10,17 +11,8 @@ import re
 
 import pytest
 
-from adapters.toolcalls import (
-    ContentDelta,
-    ParsedOutput,
-    ParsedToolCall,
-    StreamDelta,
-    ToolCallArgsDelta,
-    ToolCallParser,
-    ToolCallStart,
-    get_parser,
-    parser_names,
-)
+from adapters.toolcalls import ContentDelta, StreamDelta, ToolCallArgsDelta, ToolCallStart
+from tests.support.toolcalls import ParsedOutput, ParsedToolCall, ToolCallParser, get_parser, parser_names
 
 HERMES = get_parser("hermes")
 LLAMA3 = get_parser("llama3")

@@ -15,7 +15,6 @@ from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import ADAPTER_VERSION, detect_family, family_names, get_family
 from adapters.hermes import CHATML_TEMPLATE
 from adapters.render import PromptRenderer
-from adapters.toolcalls import ParsedToolCall, get_parser
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
@@ -24,6 +23,7 @@ from gateway.serving.jobs import Prepared
 from gateway.serving.service import ChatService
 from tests.conftest import WORKLOADS
 from tests.support.family_models import SETUPS
+from tests.support.toolcalls import ParsedToolCall, get_parser
 
 FAMILY_SETUPS = list(SETUPS)
 # How each family writes a tool result in the prompt.

@@ -235,8 +235,8 @@ def test_a_tool_call_parser_that_contradicts_the_adapter_is_refused(capsys: pyte
 
 def test_the_tool_call_parser_table_names_toolkvs_parsers_and_families() -> None:
     from adapters.families import get_family
-    from adapters.toolcalls import get_parser
     from adapters.toolcalls.vllm_names import VLLM_TOOL_PARSERS
+    from tests.support.toolcalls import get_parser
 
     for vllm_name, mapped in VLLM_TOOL_PARSERS.items():
         assert get_family(mapped.adapter).tool_parser == mapped.parser, vllm_name

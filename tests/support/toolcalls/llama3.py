@@ -7,7 +7,7 @@ whitespace, with nothing else. Such an output never has content.
 
 from __future__ import annotations
 
-from adapters.toolcalls.base import (
+from tests.support.toolcalls.base import (
     BufferedStreamer,
     ParsedOutput,
     ParsedToolCall,

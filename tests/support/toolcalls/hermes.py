@@ -6,7 +6,7 @@ is content. A final block may lack its closing tag (the model stopped) if its JS
 
 from __future__ import annotations
 
-from adapters.toolcalls.base import (
+from tests.support.toolcalls.base import (
     MarkerStreamer,
     ParsedOutput,
     ParsedToolCall,

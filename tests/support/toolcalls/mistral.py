@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from adapters.toolcalls.base import (
+from tests.support.toolcalls.base import (
     MarkerStreamer,
     ParsedOutput,
     ParsedToolCall,
