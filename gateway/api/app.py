@@ -20,20 +20,16 @@ from gateway.api import cache_routes, dashboard
 from gateway.api import completions as completions_api
 from gateway.api import messages as messages_api
 from gateway.api.generation import (
-    CLIENT_CLOSED_REQUEST,
-    GONE,
     Arrival,
     Release,
     check_model,
     parse_model,
     prepare_chat,
     serve_generation,
-    sse_data,
-    sse_response,
-    unless_disconnected,
     whole_json,
 )
 from gateway.api.responses import routes as responses_api
+from gateway.api.streaming import ChunkWire, stream_answer
 from gateway.edge.admission import Preparer, TenantQuota
 from gateway.edge.auth import KeyRing
 from gateway.edge.browser_guard import install_browser_guard
@@ -43,11 +39,9 @@ from gateway.edge.request_id import MessagesRequestId
 from gateway.edge.shutdown_answer import CutOffAnswer
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
-from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completions import CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
-from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, build_runtime, loaded_runtime
 from gateway.settings import Settings
@@ -176,23 +170,9 @@ async def _whole(runtime: Runtime, prepared: Prepared) -> dict[str, Any]:
 
 async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, include_usage: bool,
                     release: Release) -> Response:
-    state = request.app.state
-    events = runtime.service.stream(prepared)
-    # Errors before the first byte become plain HTTP errors; a client that leaves while its
-    # stream is still queued cancels it too (the stream records its own 499).
-    first = await unless_disconnected(request, anext(events))
-    if first is GONE:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
     chat = chat_output.ChatChunks(prepared.request_id, prepared.model_name, runtime.service.system_fingerprint,
                                   include_usage=include_usage, legacy_functions=prepared.legacy_functions)
-    chunks = _chunks(chat, chain(first, events))
-    return sse_response(state, prepared, sse_data(None, chunks, state.metrics, prepared.request_id), release)
-
-
-async def _chunks(chat: chat_output.ChatChunks, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[dict[str, Any]]:
-    async for event in events:
-        for chunk in chat.of(event):
-            yield chunk
+    return await stream_answer(request, prepared, runtime.service.stream(prepared), ChunkWire(chat.of), release)
 
 
 def _prepare(arrival: Arrival) -> tuple[ChatCompletionRequest, Prepared]:

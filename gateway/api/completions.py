@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.api.generation import (
-    CLIENT_CLOSED_REQUEST,
-    GONE,
-    Arrival,
-    Release,
-    check_model,
-    parse_model,
-    serve_generation,
-    sse_data,
-    sse_response,
-    unless_disconnected,
-    whole_json,
-)
+from gateway.api.generation import Arrival, Release, check_model, parse_model, serve_generation, whole_json
+from gateway.api.streaming import ChunkWire, stream_answer
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.protocol import chat_output
 from gateway.protocol.answer import AnswerEvent, Ended, TextWritten
 from gateway.protocol.completions import DEFAULT_MAX_TOKENS, CompletionRequest
-from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.logprobs import LegacyLogprobs
 from gateway.serving.runtime import Runtime, loaded_runtime
@@ -101,32 +88,33 @@ async def _whole(service: ChatService, prepared: Prepared) -> dict[str, Any]:
 
 async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, include_usage: bool,
                     release: Release) -> Response:
-    state = request.app.state
-    events = runtime.service.stream(prepared)
-    # Errors before the first byte are plain HTTP errors; a client that leaves while its stream is
-    # still queued cancels it (the stream records its own 499).
-    first = await unless_disconnected(request, anext(events))
-    if first is GONE:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    chunks = _text_chunks(prepared, runtime.service.system_fingerprint, chain(first, events), include_usage)
-    return sse_response(state, prepared, sse_data(None, chunks, state.metrics, prepared.request_id), release)
+    chunks = TextChunks(prepared, runtime.service.system_fingerprint, include_usage)
+    return await stream_answer(request, prepared, runtime.service.stream(prepared), ChunkWire(chunks.of), release)
 
 
-async def _text_chunks(prepared: Prepared, fingerprint: str, events: AsyncIterator[AnswerEvent],
-                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+class TextChunks:
     """The answer's text as `text_completion` chunks, the last with the finish reason, then (when
     asked) one with the usage and no choices."""
-    created = int(time.time())
-    legacy = LegacyLogprobs(prepared.job.params.logprobs)  # text offsets run on over the chunks
-    async for event in events:
+
+    def __init__(self, prepared: Prepared, fingerprint: str, include_usage: bool) -> None:
+        self.prepared = prepared
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.legacy = LegacyLogprobs(prepared.job.params.logprobs)  # text offsets run on over the chunks
+
+    def of(self, event: AnswerEvent) -> list[dict[str, Any]]:
         if isinstance(event, TextWritten):
-            yield _text_completion(prepared, created, fingerprint,
-                                   [_choice(event.text, None, legacy.shape(event.logprobs))])
-        elif isinstance(event, Ended):
-            yield _text_completion(prepared, created, fingerprint,
-                                   [_choice("", event.finish_reason, legacy.shape(event.logprobs))])
-            if include_usage:
-                yield _text_completion(prepared, created, fingerprint, [], chat_output.usage_dict(event.usage))
+            return [self._completion([_choice(event.text, None, self.legacy.shape(event.logprobs))])]
+        if not isinstance(event, Ended):
+            return []
+        chunks = [self._completion([_choice("", event.finish_reason, self.legacy.shape(event.logprobs))])]
+        if self.include_usage:
+            chunks.append(self._completion([], chat_output.usage_dict(event.usage)))
+        return chunks
+
+    def _completion(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return _text_completion(self.prepared, self.created, self.fingerprint, choices, usage)
 
 
 def _text_completion(prepared: Prepared, created: int, fingerprint: str, choices: list[dict[str, Any]],

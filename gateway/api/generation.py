@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Gauge
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from gateway.edge.auth import KeyRing, Tenant
-from gateway.edge.handlers import CLIENT_CLOSED_REQUEST as CLIENT_CLOSED_REQUEST
-from gateway.edge.handlers import GENERATION_PATHS as GENERATION_PATHS
-from gateway.edge.handlers import GONE as GONE
-from gateway.edge.handlers import parse_object as parse_object
-from gateway.edge.handlers import unless_disconnected as unless_disconnected
+from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, parse_object, unless_disconnected
 from gateway.edge.handlers import validation_error as validation_error
 from gateway.edge.limits import check_request_limits
-from gateway.errors import APIError, ModelNotFound, error_envelope
-from gateway.metrics import Metrics
+from gateway.errors import ModelNotFound
 from gateway.protocol.chat import ChatCompletionRequest, in_request_terms
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
@@ -109,46 +102,6 @@ async def whole_json(request: Request, runtime: Runtime, prepared: Prepared,
         runtime.service.record_disconnect(prepared, stream=False)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(body, headers=prepared.response_headers())
-
-
-def sse_response(state: Any, prepared: Prepared, events: AsyncIterator[dict[str, str]],
-                 release: Release) -> EventSourceResponse:
-    """Send `events`; call once the job's first chunk is in hand (its headers are known then)."""
-    return EventSourceResponse(tracked(state.metrics.in_flight, events, release), sep="\n", ping=15,
-                               headers=prepared.response_headers(),
-                               # past toolkv's own cut-off at the grace's end (edge/server.py GraceServer)
-                               shutdown_grace_period=state.settings.shutdown_grace_s + 2)
-
-
-async def sse_data(first: dict[str, Any] | None, chunks: AsyncIterator[dict[str, Any]], metrics: Metrics,
-                   request_id: str) -> AsyncIterator[dict[str, str]]:
-    """Chunks as `data:` events, an error after the first byte as an error envelope, then [DONE]."""
-    if first is not None:
-        yield {"data": orjson.dumps(first).decode()}
-    try:
-        async for chunk in chunks:
-            yield {"data": orjson.dumps(chunk).decode()}
-    except APIError as exc:
-        yield {"data": orjson.dumps(exc.envelope()).decode()}
-    except Exception:  # a bug after the first byte: end the stream with an error, count it
-        log_stream_bug(metrics, request_id)
-        yield {"data": orjson.dumps(error_envelope("internal server error", "server_error")).decode()}
-    yield {"data": "[DONE]"}
-
-
-def log_stream_bug(metrics: Metrics, request_id: str) -> None:
-    log.exception("unhandled error in a stream", extra={"toolkv": {"request_id": request_id}})
-    metrics.requests.labels(status="500", stream="true").inc()
-
-
-async def tracked(gauge: Gauge, events: AsyncIterator[dict[str, str]],
-                  release: Release) -> AsyncIterator[dict[str, str]]:
-    try:
-        with gauge.track_inprogress():
-            async for event in events:
-                yield event
-    finally:
-        release()
 
 
 def no_release() -> None:

@@ -7,26 +7,19 @@ and `anthropic-beta` headers are accepted whatever they say."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gateway.api.generation import (
-    CLIENT_CLOSED_REQUEST,
-    GONE,
     Arrival,
     Release,
-    log_stream_bug,
     parse_model,
     prepare_chat,
     serve_generation,
-    sse_response,
-    unless_disconnected,
     validation_error,
     whole_json,
 )
@@ -38,13 +31,13 @@ from gateway.api.messages_stream import (
     stop_reason,
     usage_of,
 )
+from gateway.api.streaming import SSE, WireEvents, named, stream_answer
 from gateway.api.threads import ThreadStore, ThreadTurn, threaded
 from gateway.edge.request_id import new_request_id
 from gateway.errors import APIError, in_terms_of, named_by
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.messages import CountTokensRequest, MessagesRequest, chat_body, messages_param
-from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
@@ -133,36 +126,27 @@ async def _whole(state: Any, runtime: Runtime, planned: Planned) -> dict[str, An
 
 
 async def _streamed(request: Request, runtime: Runtime, planned: Planned, release: Release) -> Response:
-    answer = runtime.service.stream(planned.prepared)
-    # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
-    # is still queued cancels it (the chat service records its 499).
-    first = await unless_disconnected(request, anext(answer))
-    if first is GONE:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = _events(chain(first, answer), planned, request.app.state)
-    return sse_response(request.app.state, planned.prepared, events, release)
+    wire = _MessagesWire(planned, request.app.state)
+    return await stream_answer(request, planned.prepared, runtime.service.stream(planned.prepared), wire, release)
 
 
-async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, state: Any) -> AsyncIterator[dict[str, str]]:
-    """The answer's events; a threaded reply is kept once the message is whole (a stream that
-    ends early keeps nothing: the SDKs start a new thread then)."""
-    prepared, metrics = planned.prepared, state.metrics
-    stream = MessageEvents(prepared.request_id, prepared.model_name)
-    try:
-        async for answer_event in answer:
-            events = stream.feed(answer_event)
-            if stream.ended:
-                _keep(state, planned, stream.content)
-            for event in events:
-                yield _sse(event)
-    except APIError as exc:
-        for event in stream.fail(in_terms_of(exc, messages_param).message, exc.status_code):
-            yield _sse(event)
-    except Exception:  # a bug after the first byte: end the stream with an error, count it
-        log_stream_bug(metrics, prepared.request_id)
-        for event in stream.fail("internal server error", 500):
-            yield _sse(event)
+class _MessagesWire(WireEvents):
+    """The answer's Messages events; a threaded reply is kept once the message is whole (a stream
+    that ends early keeps nothing: the SDKs start a new thread then)."""
 
+    def __init__(self, planned: Planned, state: Any) -> None:
+        self.planned, self.state = planned, state
+        self.stream = MessageEvents(planned.prepared.request_id, planned.prepared.model_name)
 
-def _sse(event: dict[str, Any]) -> dict[str, str]:
-    return {"event": event["type"], "data": orjson.dumps(event).decode()}
+    def of(self, event: AnswerEvent) -> list[SSE]:
+        events = self.stream.feed(event)
+        if self.stream.ended:
+            _keep(self.state, self.planned, self.stream.content)
+        return [named(event) for event in events]
+
+    def failed(self, error: APIError) -> list[SSE]:
+        return [named(event) for event in self.stream.fail(in_terms_of(error, messages_param).message,
+                                                           error.status_code)]
+
+    def broken(self) -> list[SSE]:
+        return [named(event) for event in self.stream.fail("internal server error", 500)]

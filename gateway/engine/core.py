@@ -45,6 +45,7 @@ from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager
 from gateway.engine.cpu_threads import ThreadGovernor
 from gateway.engine.events import CutOff, Job, Task, TooLarge
 from gateway.engine.intake import Intake
+from gateway.engine.job_stream import JobStream
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import Backend, ModelRunner, tensor_bytes
 from gateway.engine.outputs import OutputProcessor
@@ -121,14 +122,18 @@ class Engine:
         self._thread.join(timeout=30)
         self.store.close()  # finish pending disk writes, so a restart finds them
 
-    def submit(self, job: Job) -> None:
-        """Queue a generation; its events arrive through `job.emit`. Raises QueueFull when too
-        many wait, TooLarge when the pool could never hold it."""
+    def submit(self, job: Job) -> JobStream:
+        """Queue a generation; returns its events (read on the calling event loop; closing the
+        stream stops the job). Raises QueueFull when too many wait, TooLarge when the pool could
+        never hold it."""
         if self.cache.blocks_needed(job) > self.pool.num_blocks:
             raise TooLarge(f"the request needs {len(job.prompt_ids) + job.params.max_tokens} tokens of KV; "
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
+        stream = JobStream(job, self.abort, forward=job.emit)
+        job.emit = stream.put
         job.submitted = time.perf_counter()
         self._intake.put(job)
+        return stream
 
     def cut_off(self, reason: str) -> Future[Any]:
         """End every running generation with `CutOff(reason)` (the shutdown grace period ran out),

@@ -58,12 +58,18 @@ class Failed:
 EngineEvent = Prefilled | TextDelta | Finished | Failed
 
 
+def _drop(event: EngineEvent) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class Job:
     prompt_ids: list[int]
     prefix_len: int  # tokens of the tool group; 0 when there is none
     params: SamplingParams
-    emit: Callable[[EngineEvent], None]  # must be thread-safe
+    # a sink of its own besides the stream Engine.submit returns (engine tests, the bench's floor);
+    # called on the engine thread
+    emit: Callable[[EngineEvent], None] = _drop
     use_cache: bool = True
     salt: str = ""  # the group's cache namespace ("" for a group listed in shared_groups)
     tenant: str = ""  # the tenant's own namespace: conversation KV is never shared between tenants

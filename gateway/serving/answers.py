@@ -4,26 +4,28 @@ turn with calls gets."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from adapters.base import ChatFamily
 from adapters.toolcalls import ContentDelta, ToolCallArgsDelta, ToolCallStart
 from adapters.toolcalls.incremental import SyntaxStreamer
-from gateway.engine import Finished
+from gateway.engine import Finished, TextDelta
 from gateway.protocol import chat_output
 from gateway.protocol.answer import (
     AnswerEvent,
     CallArguments,
     CallStarted,
+    Ended,
     FinishReason,
     Logprobs,
+    Started,
     TextWritten,
     ToolCall,
+    Usage,
 )
 from gateway.serving.jobs import Prepared
-
-T = TypeVar("T")
+from gateway.serving.logprobs import StreamLogprobs, TokenTexts
 
 
 def content_and_calls(family: ChatFamily, text: str, prepared: Prepared, finish: Finished,
@@ -74,11 +76,41 @@ class CallTracker:
         return out
 
 
-async def chain(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`first` (taken to see the stream start), then the rest."""
-    yield first
-    async for event in rest:
-        yield event
+class StreamedAnswer:
+    """One streamed answer: the engine's events in, the answer's events out (`start` once the
+    prompt is in, `write` per text delta, `end` with the finish). Plain calls, no generator: the
+    service's one generator drives it."""
+
+    def __init__(self, family: ChatFamily, prepared: Prepared, token_texts: TokenTexts,
+                 on_parse_failure: Callable[[], None]) -> None:
+        self.prepared = prepared
+        self.logprobs = StreamLogprobs(token_texts if prepared.job.params.logprobs else None,
+                                       prepared.job.keep_token_ids)
+        self.streamer = SyntaxStreamer(family.call_syntax()) if prepared.tools_active else None
+        self.calls = CallTracker(single=prepared.single_call)
+        self.on_parse_failure = on_parse_failure
+
+    def start(self, prompt: Usage) -> list[AnswerEvent]:
+        """`Started`, then the forced call's opening (written by us, not the model)."""
+        opening = self.prepared.forced_opening
+        pieces = self.streamer.feed(opening) if self.streamer is not None and opening else []
+        return [Started(prompt, bool(opening)), *self.calls.events(pieces)]
+
+    def write(self, delta: TextDelta) -> list[AnswerEvent]:
+        self.logprobs.add(delta.logprobs)
+        pieces = self.streamer.feed(delta.text) if self.streamer is not None else [ContentDelta(delta.text)]
+        return self.calls.events(pieces, self.logprobs.take)
+
+    def end(self, finish: Finished, usage: Usage) -> list[AnswerEvent]:
+        """The calls' last pieces, then `Ended` with the entries no event carried."""
+        events: list[AnswerEvent] = []
+        if self.streamer is not None:
+            events = self.calls.events(self.streamer.finish(), self.logprobs.take)
+            if self.streamer.parse_failed:
+                self.on_parse_failure()
+        reason = call_finish(finish) if self.calls.count else finish.finish_reason
+        events.append(Ended(reason, usage, self.logprobs.take(), finish.stop_sequence))
+        return events
 
 
 def call_finish(finish: Finished) -> FinishReason:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.engine import EngineEvent, Finished, Job, Prefilled, TokenLogprob
+from gateway.engine import Finished, Job, Prefilled, TokenLogprob
+from gateway.engine.job_stream import JobStream
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Usage
 
@@ -24,9 +25,14 @@ class Prepared:
     group_id: str
     started: float = field(default_factory=time.perf_counter)  # request arrival: TTFT counts from here
     prepare_s: float = 0.0  # arrival to job: parse, validate, render, tokenize
-    prefilled: Prefilled | None = None  # set when the engine reports the prefill
+    events: JobStream | None = None  # what Engine.submit returned: the job's events
     request_id: str = field(default_factory=chat_output.new_completion_id)  # also the completion's id
     legacy_functions: bool = False  # asked with `functions`: answer with `function_call`
+
+    @property
+    def prefilled(self) -> Prefilled | None:
+        """The engine's prefill report, once it made it."""
+        return self.events.prefilled if self.events is not None else None
 
     def response_headers(self) -> dict[str, str]:
         """`X-Toolkv-Cache` (hit/miss/bypass/skip) and a W3C `Server-Timing` of where the time went
@@ -76,7 +82,3 @@ def usage_of(prepared: Prepared, outcome: Outcome) -> Usage:
     completion = outcome.completion_tokens
     return Usage(pre.prompt_tokens if pre else 0, completion, pre.cached_tokens if pre else 0,
                  prepared.cache_write_tokens)
-
-
-def unset_emit(event: EngineEvent) -> None:
-    raise RuntimeError("job submitted without an event sink")

@@ -10,22 +10,17 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
 
 from adapters.base import ChatFamily, ChatMessage, RenderedPrompt, ToolSpec
 from adapters.render import PromptRenderer, RenderError
-from adapters.toolcalls import ContentDelta
-from adapters.toolcalls.incremental import SyntaxStreamer
 from gateway.engine import (
     Engine,
-    EngineEvent,
     Failed,
-    Finished,
     Job,
-    Prefilled,
     QueueFull,
     SamplingParams,
     TextDelta,
@@ -33,6 +28,7 @@ from gateway.engine import (
     TokenLogprob,
     TooLarge,
 )
+from gateway.engine.job_stream import JobStream
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import (
     APIError,
@@ -44,10 +40,10 @@ from gateway.errors import (
 )
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
-from gateway.protocol.answer import Answer, AnswerEvent, Ended, Started
+from gateway.protocol.answer import Answer, AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest, SamplingFields
 from gateway.serving.accounting import Accounting
-from gateway.serving.answers import CallTracker, call_finish, chain, content_and_calls
+from gateway.serving.answers import StreamedAnswer, content_and_calls
 from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,
@@ -56,9 +52,9 @@ from gateway.serving.checks import (
     max_token_chars,
 )
 from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
-from gateway.serving.jobs import Outcome, Prepared, unset_emit, usage_of
+from gateway.serving.jobs import Outcome, Prepared, usage_of
 from gateway.serving.literal_specials import LiteralSpecials, cut
-from gateway.serving.logprobs import StreamLogprobs, TokenTexts
+from gateway.serving.logprobs import TokenTexts
 from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
@@ -146,8 +142,8 @@ class ChatService:
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
         constraint = None if params.max_tokens == 0 else self.output.constraint(
             req, rendered.group.tools, tools_active, forced_ids, params.max_tokens, tenant)
-        job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, emit=unset_emit,
-                  use_cache=use_cache, salt=salt, tenant=tenant, group_id=group_id,
+        job = Job(prompt_ids=ids, prefix_len=prefix_len, params=params, use_cache=use_cache, salt=salt,
+                  tenant=tenant, group_id=group_id,
                   tool_names=rendered.group.tool_names, retention_s=req.retention_s,
                   keep_token_ids=self.marker_ids if tools_active else frozenset(), constraint=constraint,
                   stop_before=self.output.stop_before(forced.opening) if tools_active else None)
@@ -166,7 +162,7 @@ class ChatService:
         KV still serves the tenant's later prompts that start with it."""
         received = time.perf_counter() if received is None else received
         use_cache = self.cache_enabled and not bypass
-        job = Job(prompt_ids=ids, prefix_len=0, params=params, emit=unset_emit, use_cache=use_cache, tenant=tenant)
+        job = Job(prompt_ids=ids, prefix_len=0, params=params, use_cache=use_cache, tenant=tenant)
         return Prepared(job=job, model_name=self.model_name, tools_active=False, forced_opening="",
                         single_call=False, use_cache=use_cache, group_id="", started=received,
                         prepare_s=time.perf_counter() - received,
@@ -266,46 +262,31 @@ class ChatService:
 
     # ---- running ---------------------------------------------------------------------------
 
-    async def events(self, prepared: Prepared) -> AsyncIterator[EngineEvent]:
-        """Run the job on the engine; cancelling this iterator cancels the generation."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[EngineEvent] = asyncio.Queue()
-
-        def emit(event: EngineEvent) -> None:  # called on the engine thread: must never raise there
-            try:
-                loop.call_soon_threadsafe(inbox.put_nowait, event)
-            except RuntimeError:  # the listener's loop is closed: nobody reads this job any more
-                self.engine.abort(prepared.job)
-
-        prepared.job.emit = emit
+    def events(self, prepared: Prepared) -> JobStream:
+        """Queue the job on the engine: its events (closing them cancels the generation)."""
         try:
-            self.engine.submit(prepared.job)
+            prepared.events = self.engine.submit(prepared.job)
         except QueueFull:
             raise Overloaded("the server is busy: too many requests are queued; retry shortly",
                              headers={"Retry-After": "1"}) from None
         except TooLarge as exc:  # no Retry-After: it will not fit later either
             raise Overloaded(f"{exc}; send a shorter prompt or a lower max_tokens, or raise "
                              "ram_budget_bytes") from None
-        try:
-            while True:
-                event = await inbox.get()
-                if isinstance(event, Prefilled):
-                    prepared.prefilled = event
-                yield event
-                if isinstance(event, (Finished, Failed)):
-                    return
-        finally:
-            self.engine.abort(prepared.job)  # no-op when finished; stops and frees it otherwise
+        return prepared.events
 
     async def complete(self, prepared: Prepared) -> Answer:
         outcome = Outcome()
-        async for event in self.events(prepared):
-            self.accounting.observe(prepared, outcome, event)
-            if isinstance(event, TextDelta):
-                outcome.text_parts.append(event.text)
-                outcome.logprobs.extend(event.logprobs)
-            elif isinstance(event, Failed):
-                raise failure(event)
+        events = self.events(prepared)
+        try:
+            async for event in events:
+                self.accounting.observe(prepared, outcome, event)
+                if isinstance(event, TextDelta):
+                    outcome.text_parts.append(event.text)
+                    outcome.logprobs.extend(event.logprobs)
+                elif isinstance(event, Failed):
+                    raise failure(event)
+        finally:
+            events.close()  # no-op when finished; stops and frees it otherwise
         assert outcome.finish is not None and outcome.prefilled is not None
         content, calls, finish_reason = content_and_calls(self.family, "".join(outcome.text_parts), prepared,
                                                           outcome.finish, self.metrics.tool_parse_failures.inc)
@@ -313,53 +294,42 @@ class ChatService:
         return Answer(content, calls, finish_reason, usage_of(prepared, outcome),
                       self.answer_logprobs(prepared, outcome.logprobs), outcome.finish.stop_sequence)
 
-    async def stream(self, prepared: Prepared) -> AsyncIterator[AnswerEvent]:
+    async def stream(self, prepared: Prepared) -> AsyncGenerator[AnswerEvent]:
         """`Started` once the prompt is in, then the text and calls as they are written, then
-        `Ended`. A client that goes away cancels the generation, and is counted and logged as 499."""
+        `Ended`; Overloaded (before any byte) when the job cannot queue. The one generator
+        between the engine and an API's wire events: a client that goes away closes it, which
+        cancels the generation, and is counted and logged as 499."""
         outcome = Outcome()
+        events = self.events(prepared)
+        answer = StreamedAnswer(self.family, prepared, self.token_texts, self.metrics.tool_parse_failures.inc)
+        started = False
         try:
-            async for event in self._stream(prepared, outcome):
-                yield event
+            async for engine_event in events:
+                self.accounting.observe(prepared, outcome, engine_event)
+                if not started:  # the first event: the prompt is in (or the job failed)
+                    started = True
+                    for event in answer.start(usage_of(prepared, outcome)):
+                        yield event
+                if isinstance(engine_event, Failed):
+                    error = failure(engine_event)
+                    self.accounting.record(prepared, outcome, str(error.status_code), stream=True)
+                    raise error
+                if isinstance(engine_event, TextDelta):
+                    for event in answer.write(engine_event):
+                        yield event
+            assert outcome.finish is not None
+            for event in answer.end(outcome.finish, usage_of(prepared, outcome)):
+                yield event  # the consumer asks for more once it has sent the end
+            self.accounting.record(prepared, outcome, "200", stream=True)
         except (asyncio.CancelledError, GeneratorExit):
             self.record_disconnect(prepared, outcome, stream=True)
             raise
+        finally:
+            events.close()
 
     def record_disconnect(self, prepared: Prepared, outcome: Outcome | None = None, *, stream: bool) -> None:
         """The client went away before the response was complete (nginx's 499)."""
         self.accounting.record(prepared, outcome or Outcome(prefilled=prepared.prefilled), "499", stream=stream)
-
-    async def _stream(self, prepared: Prepared, outcome: Outcome) -> AsyncIterator[AnswerEvent]:
-        logprobs = StreamLogprobs(self.token_texts if prepared.job.params.logprobs else None,
-                                  prepared.job.keep_token_ids)
-        streamer = SyntaxStreamer(self.family.call_syntax()) if prepared.tools_active else None
-        calls = CallTracker(single=prepared.single_call)
-        opening = streamer.feed(prepared.forced_opening) if streamer and prepared.forced_opening else []
-        events = self.events(prepared)
-        first = await anext(events)  # raises Overloaded before any byte is sent
-        yield Started(usage_of(prepared, Outcome(prefilled=prepared.prefilled)), bool(prepared.forced_opening))
-        for event in calls.events(opening):
-            yield event
-        async for engine_event in chain(first, events):
-            self.accounting.observe(prepared, outcome, engine_event)
-            if isinstance(engine_event, Failed):
-                error = failure(engine_event)
-                self.accounting.record(prepared, outcome, str(error.status_code), stream=True)
-                raise error
-            if isinstance(engine_event, TextDelta):
-                logprobs.add(engine_event.logprobs)
-                pieces = streamer.feed(engine_event.text) if streamer else [ContentDelta(engine_event.text)]
-                for event in calls.events(pieces, logprobs.take):
-                    yield event
-        if streamer is not None:
-            for event in calls.events(streamer.finish(), logprobs.take):
-                yield event
-            if streamer.parse_failed:
-                self.metrics.tool_parse_failures.inc()
-        assert outcome.finish is not None
-        reason = call_finish(outcome.finish) if calls.count else outcome.finish.finish_reason
-        # the entries no event carried; the consumer asks for more once it has sent the end
-        yield Ended(reason, usage_of(prepared, outcome), logprobs.take(), outcome.finish.stop_sequence)
-        self.accounting.record(prepared, outcome, "200", stream=True)
 
 
 def failure(event: Failed) -> APIError:

@@ -10,6 +10,7 @@ import threading
 
 from gateway.engine import Failed, Finished
 from gateway.engine.events import EngineEvent, Job
+from gateway.engine.job_stream import JobStream
 from gateway.protocol.answer import Ended, TextWritten
 from gateway.protocol.chat import ChatCompletionRequest
 from tests.engine.conftest import generate
@@ -23,16 +24,13 @@ def test_an_answer_is_written_whole_while_its_stream_sends_nothing(runtime_for, 
     prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(body))
     done, submit = threading.Event(), runtime.engine.submit
 
-    def submitting(job: Job) -> None:  # the stream's own emit, and a note when the engine is done
-        emit = job.emit
-
+    def submitting(job: Job) -> JobStream:  # a note when the engine is done, besides the stream
         def emitting(event: EngineEvent) -> None:
-            emit(event)
             if isinstance(event, (Finished, Failed)):
                 done.set()
 
         job.emit = emitting
-        submit(job)
+        return submit(job)
 
     runtime.engine.submit = submitting  # type: ignore[method-assign]
 

@@ -7,7 +7,6 @@ it `in_progress` and DELETE forgets it for good (it is not kept when it ends).""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,16 +16,11 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from gateway.api.generation import (
-    CLIENT_CLOSED_REQUEST,
-    GONE,
     Arrival,
     Release,
-    log_stream_bug,
     parse_model,
     prepare_chat,
     serve_generation,
-    sse_response,
-    unless_disconnected,
     validation_error,
     whole_json,
 )
@@ -34,8 +28,9 @@ from gateway.api.responses.retrieval import listed_items
 from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
+from gateway.api.streaming import SSE, WireEvents, named, stream_answer
 from gateway.errors import APIError, BadRequest, GenerationFailed, in_terms_of, named_by
-from gateway.protocol.answer import AnswerEvent, Ended
+from gateway.protocol.answer import AnswerEvent, Ended, Started
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
 from gateway.protocol.responses_output import (
@@ -46,7 +41,6 @@ from gateway.protocol.responses_output import (
     status_of,
     usage_of,
 )
-from gateway.serving.answers import chain
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
@@ -151,41 +145,38 @@ async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> di
 
 async def _streamed(request: Request, runtime: Runtime, planned: Planned, store: ResponseStore,
                     release: Release) -> Response:
-    answer = runtime.service.stream(planned.prepared)
-    # Errors before the first byte are plain HTTP errors; a client that leaves while its stream
-    # is still queued cancels it (the chat service records its 499).
-    first = await unless_disconnected(request, anext(answer))
-    if first is GONE:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    events = _events(chain(first, answer), planned, store, request.app.state.metrics)
-    return sse_response(request.app.state, planned.prepared, events, release)
+    wire = _ResponsesWire(planned, store)
+    return await stream_answer(request, planned.prepared, runtime.service.stream(planned.prepared), wire, release)
 
 
-async def _events(answer: AsyncIterator[AnswerEvent], planned: Planned, store: ResponseStore,
-                  metrics: Any) -> AsyncIterator[dict[str, str]]:
-    stream = ResponseEvents(planned.shape)
-    _begin(store, planned)  # before `response.created` is sent: a GET or DELETE may follow it at once
-    try:
-        async for answer_event in answer:
-            if isinstance(answer_event, Ended):
-                events, body = stream.finish(answer_event)
-                _keep(store, planned, body)  # kept before the client can see it is done
-            else:
-                events = stream.feed(answer_event)
-            for event in events:
-                yield _sse(event)
-    except APIError as exc:
-        events, body = stream.fail(in_terms_of(exc, responses_param))
-        _keep(store, planned, body)  # a failed response is kept, as OpenAI keeps it
-        for event in events:
-            yield _sse(event)
-    except Exception:  # a bug after the first byte: end the response as failed, count it
-        log_stream_bug(metrics, planned.prepared.request_id)
-        events, _ = stream.fail(GenerationFailed("internal server error", code="server_error"))
-        for event in events:
-            yield _sse(event)
-    finally:  # kept, failed, or the client hung up: it is no longer running
-        store.end(planned.tenant, planned.shape.response_id)
+class _ResponsesWire(WireEvents):
+    """The answer's Responses events; the response is stored as it ends, failed or not, before
+    the client sees it end."""
+
+    def __init__(self, planned: Planned, store: ResponseStore) -> None:
+        self.planned, self.store = planned, store
+        self.stream = ResponseEvents(planned.shape)
+
+    def of(self, event: AnswerEvent) -> list[SSE]:
+        if isinstance(event, Started):  # before `response.created` is sent: a GET or DELETE may follow it
+            _begin(self.store, self.planned)
+        if not isinstance(event, Ended):
+            return [named(e) for e in self.stream.feed(event)]
+        events, body = self.stream.finish(event)
+        _keep(self.store, self.planned, body)  # kept before the client can see it is done
+        return [named(e) for e in events]
+
+    def failed(self, error: APIError) -> list[SSE]:
+        events, body = self.stream.fail(in_terms_of(error, responses_param))
+        _keep(self.store, self.planned, body)  # a failed response is kept, as OpenAI keeps it
+        return [named(e) for e in events]
+
+    def broken(self) -> list[SSE]:
+        events, _ = self.stream.fail(GenerationFailed("internal server error", code="server_error"))
+        return [named(e) for e in events]
+
+    def close(self) -> None:  # kept, failed, or the client hung up: it is no longer running
+        self.store.end(self.planned.tenant, self.planned.shape.response_id)
 
 
 def _begin(store: ResponseStore, planned: Planned) -> None:
@@ -206,6 +197,3 @@ def _keep(store: ResponseStore, planned: Planned, body: dict[str, Any]) -> None:
     if not store.put(planned.tenant, StoredResponse(turn, body, planned.items)):
         body["store"] = False
 
-
-def _sse(event: dict[str, Any]) -> dict[str, str]:
-    return {"event": event["type"], "data": orjson.dumps(event).decode()}
