@@ -1,3 +1,4 @@
-"""The model app's HTTP API: FastAPI routes for chat completions, Responses, legacy completions, cache
-management and the dashboard. Each route hands work to serving and renders what it gets back.
+"""The model app's HTTP API: FastAPI routes for chat completions, Responses, Anthropic Messages,
+legacy completions, cache management and the dashboard. Each route hands work to serving and
+renders what it gets back.
 """

@@ -1,4 +1,4 @@
-"""The `toolkv` command line: `serve`, `bench`, `cache`, `parity`; how failures are reported.
+"""The `toolkv` command line: `serve`, `config`, `bench`, `cache`, `parity`; how failures are reported.
 """
 
 from gateway.cli.main import main

@@ -1,3 +1,4 @@
-"""OpenAI wire formats: the chat-completions request and response shapes, and the Responses API's
-request and output items. Pure data and validation: no torch, no engine.
+"""Wire formats: OpenAI's chat-completions, legacy completions and Responses requests and output
+items, Anthropic's Messages, and the typed answer every API renders (answer.py). Pure data and
+validation: no torch, no engine.
 """
