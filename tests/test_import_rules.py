@@ -145,6 +145,15 @@ def test_the_engine_never_imports_serving_or_the_http_layer() -> None:
     assert not bad, bad
 
 
+def test_the_bench_never_imports_its_lab_but_to_run_it() -> None:
+    """The lab (gateway/bench/lab) builds on the bench a user runs, never the other way: only the
+    command line's dispatch to `--lab` imports it, lazily."""
+    bad = [i for i in _imported_names("gateway.bench", with_types=True)
+           if not i.source.startswith("gateway.bench.lab") and i.target.startswith("gateway.bench.lab")
+           and not (i.source == "gateway.bench.options" and i.in_function)]
+    assert not bad, bad
+
+
 def test_nothing_imports_the_command_line() -> None:
     bad = [i for i in imports() if unit(i.target) == "gateway.cli" and unit(i.source) != "gateway.cli"]
     assert not bad, bad

@@ -1,4 +1,4 @@
-"""The agent scenario's numbers: one row per turn, the summary, the target, the table.
+"""The agent scenario's numbers: one row per turn, the summary, the table.
 
 Each turn is one streaming request with the whole conversation so far, as an agent sends it. Per
 turn: prompt tokens, cached tokens (the server's `usage.prompt_tokens_details.cached_tokens`),
@@ -21,9 +21,6 @@ from gateway.bench.client import Sample
 from gateway.bench.stats import percentile
 
 NEW_TOKENS_FROM = "prompt_delta"  # what `new_tokens` means in the report: prompt_k - prompt_k-1
-# The agent target: from a conversation's second turn on, a turn computes its new messages within one
-# KV block (16 tokens).
-TARGET_EXTRA_TOKENS = 16
 
 
 def agent_stats(samples: list[Sample]) -> dict[str, Any]:
@@ -62,12 +59,6 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
-
-
-def agent_target(scenario: dict[str, Any]) -> bool | None:
-    """The agent target: every turn after a conversation's first computes its new messages within one block."""
-    extra = scenario.get("summary", {}).get("computed_minus_new_max") if not scenario.get("skipped") else None
-    return None if extra is None else extra <= TARGET_EXTRA_TOKENS
 
 
 def agent_table(scenario: dict[str, Any]) -> Table:

@@ -1,7 +1,7 @@
-"""Run `toolkv bench`: the scenarios over HTTP (with a progress bar on stderr), then, for a server on
-another machine or with --floor, the floor in-process; write bench.json, the plots and report.html
-into --out and print the measurements (the table, or with --json the whole report); with --check,
-also the run against toolkv's own targets, which decide the exit status."""
+"""Run `toolkv bench`: the scenarios over HTTP (with a progress bar on stderr); write bench.json, the
+plots and report.html into --out and print the measurements (the table, or with --json the whole
+report). The lab (`--lab`, lab/command.py) runs through here too, as a `Suite` that adds its
+scenarios, its in-process floor and its targets; this module knows it only as a `Suite`."""
 
 from __future__ import annotations
 
@@ -16,71 +16,85 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gateway.bench.bfcl import ConstrainedRows, RowsError
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
-from gateway.bench.context import BaselineFleet, Context, Peer, Plan, ScenarioResult
+from gateway.bench.context import Context, Floors, Peer, Plan, Scenario, ScenarioResult
 from gateway.bench.html_report import write_html
-from gateway.bench.lab.constrained import load_rows
-from gateway.bench.lab.fleet import FixedBaseline
-from gateway.bench.lab.floor import (
-    FLOOR_DISABLED,
-    FLOOR_LOCAL,
-    FLOOR_QUICK,
-    FloorProbe,
-    FloorResult,
-    measure_floor,
-    server_is_local,
-)
-from gateway.bench.lab.hostile import spawn_bounds as hostile_spawn_bounds
-from gateway.bench.lab.hostile import spawn_env as hostile_spawn_env
-from gateway.bench.lab.targets import check_lines, checks
 from gateway.bench.memory import read_memory
 from gateway.bench.names import ONLY_WHEN_NAMED, QUICK_SCENARIOS
 from gateway.bench.plots import write_plots
 from gateway.bench.report import build_report, print_table
 from gateway.bench.scenarios import SCENARIOS
-from gateway.bench.server import BaselineSwap, ServerFailed, SpawnedServer
+from gateway.bench.server import ServerFailed, SpawnedServer
 from gateway.bench.server_settings import engine_of, server_settings
 from gateway.bench.trajectories import Trajectories, load_trajectories
 from gateway.bench.workload import Workload, WorkloadError, load_tools
-from gateway.settings import DEFAULT_CONFIG, load_settings
 
-FLOOR_QUESTIONS = 5
-
-
+Env = dict[str, str]
 PIPED_WIDTH = 1000  # a table written to a pipe or a file is never cut to 80 columns
 
 
-def run(args: argparse.Namespace) -> int:
+class Suite(Protocol):
+    """What a run measures beyond the requests: the bench's own (`UserSuite`: nothing) or the lab's."""
+
+    @property
+    def scenarios(self) -> Mapping[str, Scenario]: ...
+
+    def spawn_env(self, args: argparse.Namespace, names: list[str], plan: Plan) -> tuple[Env, Env]:
+        """Settings a spawned server gets: (reported in the JSON's meta, kept out of it)."""
+
+    async def after(self, args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
+                    client: BenchClient, workload: Workload, console: Console) -> Floors:
+        """Run after the scenarios, the server still up; the floor per group size it measured."""
+
+    def finish(self, report: dict[str, Any]) -> tuple[list[str], int]:
+        """Add its parts to the report; the lines to print after the measurements, and the exit status."""
+
+
+class UserSuite:
+    """The bench as a user runs it: its scenarios, nothing after them, exit status 0."""
+
+    scenarios: Mapping[str, Scenario] = SCENARIOS
+
+    def spawn_env(self, args: argparse.Namespace, names: list[str], plan: Plan) -> tuple[Env, Env]:
+        return {}, {}
+
+    async def after(self, args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
+                    client: BenchClient, workload: Workload, console: Console) -> Floors:
+        return {}
+
+    def finish(self, report: dict[str, Any]) -> tuple[list[str], int]:
+        return [], 0
+
+
+def run(args: argparse.Namespace, suite: Suite | None = None) -> int:
+    suite = suite or UserSuite()
     progress_console = Console(stderr=True)
     console = progress_console if args.json else _stdout_console()
-    names = _scenario_names(args)
+    names = scenario_names(args, suite.scenarios)
     try:
         plan, catalog = _plan(args), load_tools(args.tools_file)
         trajectories = (load_trajectories(args.trajectories, args.trajectory_tools, plan.conversations)
                         if "agent" in names else None)
-        rows = load_rows(quick_set=args.quick, bounded=args.bounded) if "constrained" in names else None
-    except (WorkloadError, RowsError, ValueError) as exc:
+    except (WorkloadError, ValueError) as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 2
     if trajectories is not None:
         plan = dataclasses.replace(plan, agent_turns=trajectories.num_turns)
-    if rows is not None:
-        plan = dataclasses.replace(plan, constrained_requests=rows.num_requests)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir, own_cache = _cache_dir(args)
     started = time.perf_counter()
     try:
-        results, (floors, floor_skipped, shares_cpu), meta = asyncio.run(
-            _run_http(args, names, plan, catalog, (trajectories, rows), out_dir, cache_dir, progress_console))
+        results, floors, meta = asyncio.run(
+            _run_http(args, (names, suite), plan, catalog, trajectories, out_dir, cache_dir, progress_console))
     except ServerFailed as exc:
         progress_console.print(f"toolkv bench: {exc}")
         return 1
@@ -88,21 +102,19 @@ def run(args: argparse.Namespace) -> int:
         if own_cache and cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
     meta["duration_s"] = round(time.perf_counter() - started, 1)
-    report = build_report(meta, results, floors, floor_skipped, shares_cpu)
-    found = checks(report) if args.check else []
-    if args.check:
-        report["checks"] = [c.to_dict() for c in found]
+    report = build_report(meta, results, suite.scenarios, floors)
+    lines, status = suite.finish(report)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
-    written = [out_dir / "bench.json", *write_plots(report, out_dir)]
-    written.append(write_html(report, written[1:], out_dir / "report.html"))
+    written = [out_dir / "bench.json", *write_plots(report, out_dir, suite.scenarios)]
+    written.append(write_html(report, written[1:], out_dir / "report.html", suite.scenarios))
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
-        print_table(report, console)
-    for line in check_lines(found) if args.check else []:
+        print_table(report, suite.scenarios, console)
+    for line in lines:
         console.print(line, soft_wrap=True, highlight=False)
     progress_console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, highlight=False)
-    return 1 if any(c.result == "missed" for c in found) else 0
+    return status
 
 
 def _stdout_console() -> Console:
@@ -110,17 +122,17 @@ def _stdout_console() -> Console:
     return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
 
-def _scenario_names(args: argparse.Namespace) -> list[str]:
+def scenario_names(args: argparse.Namespace, registry: Mapping[str, Scenario]) -> list[str]:
     """--scenario's, else the default run's; with --peer-url the peer scenario too (alone by default)."""
     if args.peer_url:
         return [n for n in args.scenario or () if n != "peer"] + ["peer"]
-    return list(args.scenario or _default_scenarios(args))
+    return list(args.scenario or default_scenarios(args, registry))
 
 
-def _default_scenarios(args: argparse.Namespace) -> list[str]:
+def default_scenarios(args: argparse.Namespace, registry: Mapping[str, Scenario]) -> list[str]:
     if args.quick:
         return list(QUICK_SCENARIOS)
-    return [n for n in SCENARIOS if (n != "restart" or args.spawn) and n not in ONLY_WHEN_NAMED]
+    return [n for n in registry if (n != "restart" or args.spawn) and n not in ONLY_WHEN_NAMED]
 
 
 def _plan(args: argparse.Namespace) -> Plan:
@@ -173,14 +185,13 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path | None, bool]:
     return Path(tempfile.mkdtemp(prefix="toolkv-bench-")), True
 
 
-async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, catalog: list[dict[str, Any]],
-                    loaded: tuple[Trajectories | None, ConstrainedRows | None], out_dir: Path, cache_dir: Path | None,
-                    console: Console
-                    ) -> tuple[list[ScenarioResult], tuple[dict[int, FloorResult], str | None, bool], dict[str, Any]]:
-    spawn_env = _spawn_env(args, names, plan) if cache_dir is not None else {}
-    keys_env = _hostile_keys(args, names) if cache_dir is not None else {}  # kept out of the report
+async def _run_http(args: argparse.Namespace, what: tuple[list[str], Suite], plan: Plan,
+                    catalog: list[dict[str, Any]], trajectories: Trajectories | None, out_dir: Path,
+                    cache_dir: Path | None, console: Console) -> tuple[list[ScenarioResult], Floors, dict[str, Any]]:
+    names, suite = what
+    spawn_env, secret_env = suite.spawn_env(args, names, plan) if cache_dir is not None else ({}, {})
     server = SpawnedServer(cache_dir=cache_dir, log_path=out_dir / "server.log", model=args.model, config=args.config,
-                           replicas=args.replicas, env={**spawn_env, **keys_env}) if cache_dir is not None else None
+                           replicas=args.replicas, env={**spawn_env, **secret_env}) if cache_dir is not None else None
     clock_zero = time.perf_counter()
     if server is not None:
         console.print(f"starting toolkv serve (log: {server.log_path}) ...")
@@ -194,15 +205,15 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
         workload = Workload(catalog, uuid.uuid4().hex[:8], model=model,
                             max_tokens=args.max_tokens or (4 if args.quick else 8),
                             tool_choice=args.tool_choice, tools_in_system=args.tools_in_system)
-        baseline = _baseline(args, server, client)
         peer = await _peer(args, client, model) if "peer" in names else None
         try:
-            results = await _run_scenarios(names, client, workload, plan, loaded, server, (baseline, peer), console)
+            results = await _run_scenarios(names, suite.scenarios, client, workload, plan, trajectories, server,
+                                           peer, console)
         finally:
             if peer is not None:
                 await peer.client.aclose()
         memory = await read_memory(client)
-        floor = await _floors(args, served, plan, results, client, workload, console)
+        floors = await suite.after(args, served, plan, results, client, workload, console)
     finally:
         await client.aclose()
         if server is not None:
@@ -214,26 +225,7 @@ async def _run_http(args: argparse.Namespace, names: list[str], plan: Plan, cata
     meta["settings"] = {**await settings, "model": served,
                         "server_version": version.get("version") if isinstance(version, dict) else None}
     meta["settings"].update(engine_of(version))
-    return results, floor, meta
-
-
-def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[str, str]:
-    """Settings a spawned server gets for the scenarios named (reported in the JSON's meta): for
-    the fleet scenario, its ingress spills a group's requests to the second replica once half the
-    hot group's clients are in flight on the home; for hostile-soak, small memory bounds
-    (`hostile.spawn_bounds`)."""
-    env = hostile_spawn_bounds() if "hostile-soak" in names else {}
-    if "fleet" in names and args.replicas and args.replicas >= 2:
-        env["TOOLKV_UPSTREAM_MAX_IN_FLIGHT"] = str(max(1, plan.fleet_clients // 2))
-    return env
-
-
-def _hostile_keys(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
-    """hostile-soak on a spawned server: two keys, B (the bench's own, --api-key or one made up) and A."""
-    if "hostile-soak" not in names:
-        return {}
-    args.api_key, env = hostile_spawn_env(args.api_key)
-    return env
+    return results, floors, meta
 
 
 async def _peer(args: argparse.Namespace, client: BenchClient, model: str | None) -> Peer:
@@ -243,19 +235,10 @@ async def _peer(args: argparse.Namespace, client: BenchClient, model: str | None
     return Peer(peer, args.peer_model or await peer.served_model() or model)
 
 
-def _baseline(args: argparse.Namespace, server: SpawnedServer | None, client: BenchClient) -> BaselineFleet | None:
-    """The fleet scenario's round-robin fleet: --baseline-url's, else one spawned in the main one's place."""
-    if args.baseline_url:
-        return FixedBaseline(args.baseline_url)
-    if server is not None and server.fleet:
-        return BaselineSwap(server, client)
-    return None
-
-
-async def _run_scenarios(names: list[str], client: BenchClient, workload: Workload, plan: Plan,
-                         loaded: tuple[Trajectories | None, ConstrainedRows | None], server: SpawnedServer | None,
-                         others: tuple[BaselineFleet | None, Peer | None], console: Console) -> list[ScenarioResult]:
-    total = sum(SCENARIOS[n].planned(plan) for n in names)
+async def _run_scenarios(names: list[str], registry: Mapping[str, Scenario], client: BenchClient,
+                         workload: Workload, plan: Plan, trajectories: Trajectories | None,
+                         server: SpawnedServer | None, peer: Peer | None, console: Console) -> list[ScenarioResult]:
+    total = sum(registry[n].planned(plan) for n in names)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting", total=total)
@@ -264,16 +247,16 @@ async def _run_scenarios(names: list[str], client: BenchClient, workload: Worklo
             ttft = "-" if s.ttft_s is None else f"{s.ttft_s * 1000:.0f} ms"
             progress.update(task, advance=1, description=f"{s.scenario:<15} last: {s.cache:<6} {ttft:>9}")
 
-        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n), *loaded,
-                      baseline=others[0], peer=others[1])
+        ctx = Context(client, workload, plan, server, on_sample, lambda n: progress.update(task, advance=n),
+                      trajectories, peer=peer)
         results, done = [], 0
         for name in names:
             progress.update(task, description=f"{name:<15}")
             try:
-                results.append(await SCENARIOS[name].run(ctx))
+                results.append(await registry[name].run(ctx))
             except ContextTooLong as exc:
                 results.append(ScenarioResult(name, skipped=f"the prompt exceeds the model's context: {exc}"))
-            done += SCENARIOS[name].planned(plan)
+            done += registry[name].planned(plan)
             progress.update(task, completed=done)
     return results
 
@@ -291,64 +274,3 @@ def _meta(args: argparse.Namespace, plan: Plan, base_url: str, served: str | Non
                     "trajectories": str(args.trajectories), "trajectory_tools": str(args.trajectory_tools)},
         "host": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
-
-
-async def _floors(args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
-                  client: BenchClient, workload: Workload,
-                  console: Console) -> tuple[dict[int, FloorResult], str | None, bool]:
-    """The floor per group size, each timing paired with an HTTP hit, or why it was skipped; and
-    whether it shared the CPU with the server. By default it runs only for a server on another
-    machine: beside the server, the two slow each other down (once a floor of 4.9 s against a
-    470 ms hit), so only `--floor` measures it there, labelled unreliable."""
-    shares_cpu = bool(args.spawn) or server_is_local(args.base_url)
-    if args.no_floor:
-        return {}, FLOOR_DISABLED, shares_cpu
-    if shares_cpu and not args.floor:
-        return {}, FLOOR_LOCAL, shares_cpu
-    if args.quick and not args.floor:
-        return {}, FLOOR_QUICK, shares_cpu
-    groups = _floor_groups(results, plan, args.quick)
-    if not groups:
-        return {}, "no hit on a group of the tool catalog to pair it with", shares_cpu
-    probe = None
-    try:
-        settings = _floor_settings(args, served)
-        if settings is None:
-            return {}, "the server's model is not the configured one: pass --floor-model", shares_cpu
-        with console.status(f"measuring the floor in-process ({settings.model}, groups {', '.join(groups)}) ..."):
-            probe = await asyncio.to_thread(FloorProbe, settings)
-            measured = [await measure_floor(probe, client, workload, workload.group(label, n),
-                                            3 if args.quick else FLOOR_QUESTIONS) for label, n in groups.items()]
-    except Exception as exc:
-        return {}, f"{type(exc).__name__}: {exc}", shares_cpu
-    finally:
-        if probe is not None:
-            probe.close()
-    return {f.num_tools: f for f in measured}, None, shares_cpu
-
-
-def _floor_settings(args: argparse.Namespace, served: str | None) -> Any:
-    """Settings for the in-process model, or None when it would not be the server's model."""
-    from gateway.engine.model_loader import resolve_source  # lazy: the engine package loads torch
-
-    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-    model = args.floor_model or (args.model if args.spawn else None)
-    settings = load_settings(config, {"model": model})
-    if model is None and not args.spawn and resolve_source(settings).served_name != served:
-        return None
-    return settings
-
-
-def _floor_groups(results: list[ScenarioResult], plan: Plan, quick: bool) -> dict[str, int]:
-    """One group per size that had hits on a group starting at tool 0: label -> tools."""
-    by_size: dict[int, str] = {}
-    for result in results:
-        # Not the catalog's groups and questions; or (peer) half of them answered by another server.
-        if result.name in ("agent", "history", "constrained", "fleet", "peer"):
-            continue
-        for s in result.samples:
-            if s.cache == "hit" and s.tool_offset == 0 and s.num_tools not in by_size:
-                by_size[s.num_tools] = s.group
-    if quick:
-        by_size = {n: label for n, label in by_size.items() if n == plan.tools}
-    return {label: n for n, label in sorted(by_size.items())}

@@ -70,9 +70,9 @@ def overlap_stats(samples: list[Sample]) -> dict[str, Any]:
             "errors": sum(1 for s in samples if s.cache == "error")}
 
 
-def concurrency_table(report: dict[str, Any]) -> Table | None:
+def concurrency_table(scenarios: dict[str, dict[str, Any]]) -> Table | None:
     """One row per concurrency case and per compile-overlap phase; None when neither ran."""
-    ran = {n: s for n in CONCURRENCY_SCENARIOS if (s := report["scenarios"].get(n)) and not s.get("skipped")}
+    ran = {n: s for n in CONCURRENCY_SCENARIOS if (s := scenarios.get(n)) and not s.get("skipped")}
     if not ran:
         return None
     table = Table(title="concurrency: streaming clients at once", box=box.SIMPLE, padding=(0, 1, 0, 0),

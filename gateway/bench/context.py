@@ -1,19 +1,25 @@
-"""What a scenario is given and gives back: the `Plan` (how many of everything), the `Context`
-(client, workload, the loaded trajectories, rows, baseline fleet and peer, callbacks) and the
-`ScenarioResult`. The scenario modules (scenarios, conversations, constrained, fleet) import this
-one; it imports none of them.
+"""What a scenario is, is given and gives back: the `Scenario` (how it runs and how the report shows
+it), the `Plan` (how many of everything), the `Context` (client, workload, the loaded trajectories,
+peer, callbacks) and the `ScenarioResult`. The scenario modules (the bench's and the lab's) import
+this one; it imports none of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.bench.bfcl import ConstrainedRows
 from gateway.bench.client import BenchClient, Expected, Sample
 from gateway.bench.trajectories import Trajectories
 from gateway.bench.workload import ToolGroup, Workload
+
+if TYPE_CHECKING:  # rich is the bench extra's; only the type is needed here
+    from rich.table import Table
+
+Scenarios = dict[str, dict[str, Any]]  # the report's scenarios: name -> its numbers
+Floors = Mapping[int, Sequence[float]]  # the model's own suffix prefill (ms) per group size, from the lab's probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +53,6 @@ class Plan:
     history_tools: int = 5
     history_max_tokens: int = 4
     constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
-    constrained_requests: int = 0  # requests the constrained scenario sends, once its rows are loaded
     fleet_groups: int = 4  # fleet: groups interleaved, one request at a time
     fleet_rounds: int = 5
     fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
@@ -72,17 +77,6 @@ class Restartable(Protocol):
         """Stop the server and start it again on the same cache dir; return the new base URL."""
 
 
-class BaselineFleet(Protocol):
-    """A fleet routed round robin for the comparison: `start` gives its base URL, `stop` ends it."""
-
-    @property
-    def description(self) -> str: ...
-
-    async def start(self) -> str: ...
-
-    async def stop(self) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Peer:
     """The server measured side by side with the main one (`--peer-url`), and the model id to ask
@@ -101,8 +95,6 @@ class Context:
     on_sample: Callable[[Sample], None]
     on_skip: Callable[[int], None]  # planned requests that will not be sent
     trajectories: Trajectories | None = None  # the agent scenario's conversations
-    rows: ConstrainedRows | None = None  # the constrained scenario's rows
-    baseline: BaselineFleet | None = None  # the fleet scenario's round-robin fleet
     peer: Peer | None = None  # the peer scenario's other server
 
     async def send(self, scenario: str, group: ToolGroup, expected: Expected, *, bypass: bool = False,
@@ -125,3 +117,19 @@ class ScenarioResult:
     skipped: str | None = None  # why the whole scenario did not run
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A scenario: how it runs, the requests it plans (the progress bar), and how the report shows
+    it. `stats`: its own numbers (None: p50/p95 per cache class); `in_table`: a row of the main
+    table; `table`, `lines` and `plot` read the report's scenarios (called once each, when it ran)."""
+
+    name: str
+    run: Callable[[Context], Awaitable[ScenarioResult]]
+    planned: Callable[[Plan], int]
+    stats: Callable[[ScenarioResult, Floors], dict[str, Any]] | None = None
+    in_table: bool = False
+    table: Callable[[Scenarios], Table | None] | None = None
+    lines: Callable[[Scenarios], list[str]] | None = None
+    plot: Callable[[Scenarios, str | None, Path], Path | None] | None = None

@@ -1,17 +1,19 @@
 """report.html: one page beside bench.json and the plots, to open in a browser or send to someone:
 the settings the run used (memory too), the summary table, the side-by-side table when the peer
-scenario ran, the findings (the console's), the checks when `--check` ran, and the plots embedded
+scenario ran, the findings (the console's), the checks when the lab ran (`--lab`), and the plots embedded
 (data URIs, so the page stands alone). Plain HTML from the standard library's string.Template;
 nothing loads from anywhere."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from html import escape
 from pathlib import Path
 from string import Template
 from typing import Any
 
+from gateway.bench.context import Scenario
 from gateway.bench.memory import memory_text
 from gateway.bench.peer_report import PEER_CAPTION, PEER_COLUMNS, peer_rows
 from gateway.bench.report import SUMMARY_CAPTION, SUMMARY_COLUMNS, summary_lines, summary_rows
@@ -50,15 +52,16 @@ $plots
 """)
 
 
-def write_html(report: dict[str, Any], plots: list[Path], path: Path) -> Path:
-    path.write_text(render(report, plots), encoding="utf-8")
+def write_html(report: dict[str, Any], plots: list[Path], path: Path, registry: Mapping[str, Scenario]) -> Path:
+    path.write_text(render(report, plots, registry), encoding="utf-8")
     return path
 
 
-def render(report: dict[str, Any], plots: list[Path]) -> str:
+def render(report: dict[str, Any], plots: list[Path], registry: Mapping[str, Scenario]) -> str:
     return PAGE.substitute(
         title=escape(f"toolkv bench: {report.get('model') or 'unknown model'}"),
-        settings=_settings(report), summary=_summary(report), peer=_peer(report), lines=_lines(summary_lines(report)),
+        settings=_settings(report), summary=_summary(report, registry), peer=_peer(report),
+        lines=_lines(summary_lines(report, registry)),
         checks=_checks(report.get("checks")), plots="\n".join(_figure(p) for p in plots if p.suffix == ".png"))
 
 
@@ -96,8 +99,8 @@ def _settings(report: dict[str, Any]) -> str:
     return f'<table class="settings">{rows}</table>'
 
 
-def _summary(report: dict[str, Any]) -> str:
-    rows = summary_rows(report)
+def _summary(report: dict[str, Any], registry: Mapping[str, Scenario]) -> str:
+    rows = summary_rows(report, registry)
     if not rows:
         return "<p>No scenario timed by cache class ran; the findings are below.</p>"
     head = "".join(f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS)
@@ -130,7 +133,7 @@ def _checks(found: list[dict[str, str]] | None) -> str:
                     f"<code>{escape(c['name'])}</code>: {escape(c['line'])}</li>" for c in measured)
     rest = len(found) - len(measured)
     note = f"<p>{rest} targets not measured by this run's scenarios.</p>" if rest else ""
-    return ("<h2>Checks (toolkv's own targets, <code>--check</code>)</h2>"
+    return ("<h2>Checks (toolkv's own targets, <code>--lab</code>)</h2>"
             f'<ul class="lines">{items}</ul>{note}')
 
 

@@ -1,5 +1,6 @@
-"""The `toolkv bench` command line. Only argparse here: the bench's own dependencies (httpx, rich,
-matplotlib: the `bench` extra) are imported when the command runs, so `toolkv serve` never needs them."""
+"""The `toolkv bench` command line, the lab's options (`--lab`) in a group of their own. Only argparse
+here: the bench's own dependencies (httpx, rich, matplotlib: the `bench` extra) are imported when
+the command runs, so `toolkv serve` never needs them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.names import QUICK_RUN, QUICK_SCENARIOS, SCENARIO_NAMES
+from gateway.bench.names import LAB_SCENARIO_NAMES, QUICK_RUN, QUICK_SCENARIOS, SCENARIO_NAMES
 from gateway.bench.trajectories import DEFAULT_TRAJECTORIES_FILE, DEFAULT_TRAJECTORY_TOOLS_FILE
 from gateway.bench.workload import DEFAULT_TOOLS_FILE
 
@@ -17,7 +18,8 @@ def register(sub: Any) -> None:
     """Add the `bench` subcommand to the CLI's subparsers."""
     p = sub.add_parser("bench", help="measure TTFT, latency and cache hits through the HTTP API",
                        description="Measure an OpenAI-compatible server (toolkv or a peer) with streaming "
-                                   "requests. Scenarios: " + ", ".join(SCENARIO_NAMES) + ".")
+                                   "requests. Scenarios: " + ", ".join(SCENARIO_NAMES) + "; with --lab also "
+                                   + ", ".join(LAB_SCENARIO_NAMES) + ".")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="the server to measure, e.g. http://127.0.0.1:8000")
     target.add_argument("--spawn", action="store_true",
@@ -25,7 +27,15 @@ def register(sub: Any) -> None:
                              "scenario needs this)")
     p.add_argument("--replicas", type=int, metavar="N",
                    help="with --spawn: start `toolkv serve --replicas N` (a fleet on Ray Serve; the ray extra)")
-    p.add_argument("--baseline-url",
+    lab = p.add_argument_group("lab", "toolkv's own acceptance runs: `--lab`, then any of these")
+    lab.add_argument("--lab", action="store_true",
+                     help="the lab: also the scenarios " + ", ".join(LAB_SCENARIO_NAMES) + " (each when named), the "
+                          "in-process floor, and toolkv's own performance targets in the report")
+    lab.add_argument("--check", action="store_true",
+                     help="the lab (--lab implied), the run checked against toolkv's own performance targets (set "
+                          "on its development machine with the default model): one line each, exit status 1 when "
+                          "one is missed")
+    lab.add_argument("--baseline-url",
                    help="fleet scenario: a second running fleet, routed round robin with a cache per replica "
                         "(`toolkv serve --replicas 2 --upstream-routing round_robin --replica-cache separate`), "
                         "for the baseline; with --spawn the bench starts one itself")
@@ -38,11 +48,10 @@ def register(sub: Any) -> None:
     p.add_argument("--peer-model", help="the model id to request from the peer (default: the first of its "
                                          "GET /v1/models, else --model's)")
     p.add_argument("--peer-api-key", help="sent to the peer as a bearer token")
-    p.add_argument("--scenario", nargs="+", choices=SCENARIO_NAMES, metavar="NAME",
-                   help=f"any of {', '.join(SCENARIO_NAMES)} (default: all but history, constrained, fleet, "
-                        "hostile-soak and peer, which run only when named; with --peer-url, peer alone; restart only "
-                        "with --spawn; with --quick: "
-                        f"{' and '.join(QUICK_SCENARIOS)})")
+    p.add_argument("--scenario", nargs="+", choices=(*SCENARIO_NAMES, *LAB_SCENARIO_NAMES), metavar="NAME",
+                   help=f"any of {', '.join(SCENARIO_NAMES)}, and with --lab {', '.join(LAB_SCENARIO_NAMES)} "
+                        "(default: all but peer and the lab's, which run only when named; with --peer-url, peer "
+                        f"alone; restart only with --spawn; with --quick: {' and '.join(QUICK_SCENARIOS)})")
     p.add_argument("--out", default="bench-results", help="directory for bench.json and the plots")
     p.add_argument("--tools-file", type=Path, default=DEFAULT_TOOLS_FILE, help="a JSON list of OpenAI tools")
     p.add_argument("--requests", type=int, help="hits on the main group of the single scenario (default 8)")
@@ -69,18 +78,18 @@ def register(sub: Any) -> None:
                    help="the agent scenario's JSON lines, one agent step each: {task_id, trial, turn_index, messages}")
     p.add_argument("--trajectory-tools", type=Path, default=DEFAULT_TRAJECTORY_TOOLS_FILE,
                    help="a JSON list of OpenAI tools sent with every agent turn (default: tau-bench airline's)")
-    p.add_argument("--history-tokens", type=int,
+    lab.add_argument("--history-tokens", type=int,
                    help="prompt tokens the history scenario sends over all its conversations "
                         "(default 1,000,000; 100,000 with --quick)")
-    p.add_argument("--history-window", type=int,
+    lab.add_argument("--history-window", type=int,
                    help="conversations the history scenario keeps live at once, each turn to one of them at "
                         "random (default 16)")
-    p.add_argument("--history-turns", type=int,
+    lab.add_argument("--history-turns", type=int,
                    help="turns per history conversation, each adding a user message of ~300 tokens (default 8)")
-    p.add_argument("--constrained-max-tokens", type=int,
+    lab.add_argument("--constrained-max-tokens", type=int,
                    help="max_tokens of the constrained scenario's requests; an answer it cuts is a failure "
                         "(default 512)")
-    p.add_argument("--bounded", action="store_true",
+    lab.add_argument("--bounded", action="store_true",
                    help="constrained scenario, for random-weight test models: bound every open string, list and "
                         "number of the schemas, one call per answer, no json_object rows")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 8; 4 with --quick)")
@@ -97,17 +106,15 @@ def register(sub: Any) -> None:
     p.add_argument("--api-key", help="sent as a bearer token")
     p.add_argument("--config", help="settings file for --spawn and the floor (default: config/toolkv.toml)")
     p.add_argument("--cache-dir", help="with --spawn: the server's cache dir (default: a temporary one)")
-    p.add_argument("--floor-model", help="model to load in-process for the floor (default: the spawned "
+    lab.add_argument("--floor-model", help="model to load in-process for the floor (default: the spawned "
                                          "model, or the configured one when the server serves it)")
-    floor = p.add_mutually_exclusive_group()
+    floor = lab.add_mutually_exclusive_group()
     floor.add_argument("--floor", action="store_true",
                        help="load the model in the bench's own process and time its floor (restore + suffix "
                             "prefill) even when the server runs on this machine: it then shares the CPU with the "
-                            "server and is labelled unreliable (default: only for a server on another machine)")
+                            "server and is labelled unreliable (default: the lab measures it only for a server on "
+                            "another machine)")
     floor.add_argument("--no-floor", action="store_true", help="never measure the in-process floor")
-    p.add_argument("--check", action="store_true",
-                   help="also check the run against toolkv's own performance targets (set on its development "
-                        "machine with the default model): one line each, and exit status 1 when one is missed")
     p.add_argument("--json", action="store_true",
                    help="print the whole report as JSON on stdout (progress and messages go to stderr)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
@@ -115,13 +122,26 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    args.lab = args.lab or args.check
+    if not args.lab and (problem := _needs_lab(args)):
+        print(f"toolkv bench: {problem} is part of the lab: add --lab (toolkv bench --lab ...)", file=sys.stderr)
+        return 2
     try:
         # lazy: command needs the bench extra (httpx, rich, matplotlib); the CLI imports this module for every command
         from gateway.bench.command import run
+        from gateway.bench.lab.command import run as run_lab
     except ImportError as exc:
         print(f"toolkv bench needs the bench extra ({exc.name} is missing): {install_hint()}", file=sys.stderr)
         return 2
-    return run(args)
+    return run_lab(args) if args.lab else run(args)
+
+
+def _needs_lab(args: argparse.Namespace) -> str | None:
+    """What on the command line only the lab runs, if anything."""
+    named = [n for n in args.scenario or () if n in LAB_SCENARIO_NAMES]
+    if named:
+        return f"the {named[0]} scenario"
+    return "--floor" if args.floor else "--floor-model" if args.floor_model else None
 
 
 def install_hint() -> str:

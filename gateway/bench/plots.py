@@ -2,17 +2,20 @@
 (when the concurrent or compile-overlap scenario ran) concurrency: output tokens/s and hit TTFT
 against clients, and hit TTFT alone vs during another group's compile; and (when the agent
 scenario ran) per turn of each conversation: cached, computed and new tokens, and TTFT; (when the
-history scenario ran) the server's RSS and its pool against the history sent.
+lab's history scenario ran) its own plot.
 Uses matplotlib's object API (no pyplot, so no global figure state and no display needed)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from gateway.bench.context import Scenario
+from gateway.bench.report import hooks
 from gateway.bench.stats import percentile
 
 COLORS = {"miss": "#d62728", "hit": "#2ca02c", "bypass": "#7f7f7f", "error": "#000000", "floor": "#1f77b4"}
@@ -20,7 +23,8 @@ MODE_COLORS = {"one-group": "#2ca02c", "mixed-groups": "#9467bd"}
 SIZE_SCENARIOS = ("toolcount", "single")  # sequential requests on groups that start at tool 0
 
 
-def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_plots(report: dict[str, Any], out_dir: Path, registry: Mapping[str, Scenario]) -> list[Path]:
+    """The bench's own plots, then each scenario's `plot` (the lab's history)."""
     paths = [out_dir / "ttft_vs_tools.png", out_dir / "timeline.png"]
     _ttft_vs_tools(report, paths[0])
     _timeline(report, paths[1])
@@ -33,14 +37,13 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     if agent and not agent.get("skipped"):
         paths.append(out_dir / "agent.png")
         _agent(agent, report.get("model"), paths[-1])
-    history = report["scenarios"].get("history")
-    if history and not history.get("skipped"):
-        paths.append(out_dir / "history.png")
-        _history(history, report.get("model"), paths[-1])
+    for plot in hooks(registry, report["scenarios"], "plot"):
+        if (written := plot(report["scenarios"], report.get("model"), out_dir)) is not None:
+            paths.append(written)
     return paths
 
 
-def _figure(width: float, height: float) -> Any:
+def figure(width: float, height: float) -> Any:
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
@@ -56,13 +59,13 @@ def _ttft_by_size(report: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
             if s["cache"] == "hit" and prefill is not None:
                 series["floor"].setdefault(s["num_tools"], []).append(prefill)
     if not series["floor"]:
-        floors = report["floor"]["by_tools"]
+        floors = report.get("floor", {}).get("by_tools", {})  # the lab's in-process probe
         series["floor"] = {int(n): [f["floor_ms"]["p50"]] for n, f in floors.items() if f["floor_ms"]["p50"]}
     return series
 
 
 def _ttft_vs_tools(report: dict[str, Any], path: Path) -> None:
-    fig = _figure(7, 4.5)
+    fig = figure(7, 4.5)
     ax = fig.add_subplot()
     series = _ttft_by_size(report)
     for cls, by_size in series.items():
@@ -91,7 +94,7 @@ def _ttft_vs_tools(report: dict[str, Any], path: Path) -> None:
 def _timeline(report: dict[str, Any], path: Path) -> None:
     samples = sorted((s for sc in report["scenarios"].values() for s in sc.get("samples", [])),
                      key=lambda s: s["started_s"])
-    fig = _figure(10, max(3.0, 0.12 * len(samples) + 1.5))
+    fig = figure(10, max(3.0, 0.12 * len(samples) + 1.5))
     ax = fig.add_subplot()
     for row, s in enumerate(samples):
         ax.hlines(row, s["started_s"], s["started_s"] + s["total_s"], color=COLORS[s["cache"]], lw=1, alpha=0.6)
@@ -134,7 +137,7 @@ def _label_scenarios(ax: Any, samples: list[dict[str, Any]]) -> None:
 def _concurrency(report: dict[str, Any], path: Path) -> None:
     """Three panels: aggregate output tokens/s against clients, hit TTFT p50 (p95 dashed) against
     clients, one line per mode; hit TTFT alone, during a compile, and the compile's own TTFT."""
-    fig = _figure(14, 4.5)
+    fig = figure(14, 4.5)
     tokens_ax, ttft_ax, overlap_ax = fig.subplots(1, 3)
     concurrent = report["scenarios"].get("concurrent", {})
     cases = [] if concurrent.get("skipped") else concurrent.get("cases", [])
@@ -191,7 +194,7 @@ def _agent(agent: dict[str, Any], model: str | None, path: Path) -> None:
     beside the new messages' tokens (a server that reuses the conversation computes about as many);
     TTFT. Conversations are separated by vertical lines."""
     rows = agent["turns"]
-    fig = _figure(max(7.0, 0.35 * len(rows) + 3.5), 9)
+    fig = figure(max(7.0, 0.35 * len(rows) + 3.5), 9)
     prompt_ax, computed_ax, ttft_ax = fig.subplots(3, 1, sharex=True)
     x = list(range(len(rows)))
     cached = [r["cached_tokens"] or 0 for r in rows]
@@ -224,33 +227,3 @@ def _conversation_bounds(ax: Any, rows: list[dict[str, Any]], *, labelled: bool)
         if row["first_turn"] and labelled:
             ax.annotate(row["conversation"], (i - 0.4, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
                         va="bottom", xytext=(0, 2), textcoords="offset points")
-
-
-def _history(history: dict[str, Any], model: str | None, path: Path) -> None:
-    """At each reading, against the prompt tokens sent so far: the server's RSS (flat once the
-    pool is warm), and the pool's blocks in use and the conversation records it holds."""
-    readings = [r for r in history["readings"] if r["rss_mb"] is not None]
-    tokens = [r["tokens"] for r in readings]
-    fig = _figure(8, 6)
-    rss_ax, pool_ax = fig.subplots(2, 1, sharex=True)
-    rss_ax.plot(tokens, [r["rss_mb"] for r in readings], marker="o", color=COLORS["floor"])
-    rss_ax.set_ylim(bottom=0)
-    rss_ax.set_ylabel("server RSS (MB)")
-    pool_ax.plot(tokens, [r["kv_blocks_used"] for r in readings], marker="o", color=COLORS["miss"])
-    pool_ax.set_ylim(0, history["pool"]["blocks"] or None)
-    pool_ax.set_ylabel(f"KV blocks in use (of {_count(history['pool']['blocks'])})", color=COLORS["miss"])
-    records_ax = pool_ax.twinx()  # a few records, hundreds of blocks: an axis each
-    records_ax.plot(tokens, [r["conversation_records"] for r in readings], marker="s", color=COLORS["hit"])
-    records_ax.set_ylim(bottom=0)
-    records_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    records_ax.set_ylabel("conversation records", color=COLORS["hit"])
-    pool_ax.set_xlabel("prompt tokens sent")
-    for ax in (rss_ax, pool_ax):
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(f"history: {history['tokens_sent']:,} prompt tokens over {history['conversations']:,} "
-                 f"conversations: {model}")
-    fig.savefig(path)
-
-
-def _count(value: int | None) -> str:
-    return "?" if value is None else f"{value:,}"

@@ -1,6 +1,6 @@
-"""The scenarios' registry, and the first seven. Each sends requests through a `Context` and
-returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come from the server's
-`cached_tokens`, never from the plan.
+"""The bench's scenarios, as a user runs them, and their registry. Each sends requests through a
+`Context` and returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come from
+the server's `cached_tokens`, never from the plan. The lab (lab/scenarios.py) adds its own.
 
 1 single           one tool group, different questions; extra misses on fresh groups; bypass requests
 2 toolcount        one group per tool count (5/10/20/50), skipping counts beyond the model's context
@@ -11,14 +11,8 @@ returns a `ScenarioResult` (context.py); the classes (hit / miss / bypass) come 
 7 soak             1,000 short requests over 8 groups from 4 clients; the server's RSS every 10%
 8 agent            tau-bench conversations replayed turn by turn, each turn the whole conversation so far
                    (conversations.py)
-9 history          a million tokens of synthetic conversations through the KV pool; the server's RSS every 10%
-                   (conversations.py)
-10 constrained     BFCL-style rows with forced calls and structured outputs: validity, and the grammar's cost
-                   per token against decode's (constrained.py)
-11 fleet           replicas behind one ingress: interleaved groups, one hot group against balanced ones, and a
-                   round-robin baseline (fleet.py)
-12 hostile-soak    one key's requests alone, then while another key sends a hostile mix (hostile.py)
-13 peer            toolkv and another server side by side, the same requests in turns (peer.py)
+9 peer             toolkv and another server side by side, same requests in turns (peer.py; runs when named
+                   or with --peer-url)
 """
 
 from __future__ import annotations
@@ -26,22 +20,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from typing import Any
 
+from rich.table import Table
+
+from gateway.bench.agent_report import agent_lines, agent_stats, agent_table
 from gateway.bench.client import ContextTooLong, Expected, Sample
-from gateway.bench.context import Context, Plan, ScenarioResult
-from gateway.bench.conversations import run_agent, run_history
+from gateway.bench.concurrency_report import concurrency_lines, concurrency_table, concurrent_stats, overlap_stats
+from gateway.bench.context import Context, Floors, Scenario, ScenarioResult, Scenarios
+from gateway.bench.conversations import run_agent
 from gateway.bench.forced import with_forced_tokens
-from gateway.bench.lab.constrained import run_constrained
-from gateway.bench.lab.fleet import planned as fleet_planned
-from gateway.bench.lab.fleet import run_fleet
-from gateway.bench.lab.history import expected_requests
-from gateway.bench.lab.hostile import planned as hostile_planned
-from gateway.bench.lab.hostile import run_hostile_soak
 from gateway.bench.names import SCENARIO_NAMES
 from gateway.bench.peer import planned as peer_planned
 from gateway.bench.peer import run_peer
+from gateway.bench.peer_report import peer_lines, peer_stats, peer_table
+from gateway.bench.report import block, interleaved_lines, restart_lines, single_lines, soak_lines, warm_samples
 from gateway.bench.workload import ToolGroup, WorkloadError
 
 
@@ -251,28 +244,48 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 2) if numerator and denominator else None
 
 
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    name: str
-    run: Callable[[Context], Awaitable[ScenarioResult]]
-    planned: Callable[[Plan], int]  # requests it sends, for the progress bar
+def _block(result: ScenarioResult, floors: Floors) -> dict[str, Any]:
+    return block(result.samples, floors)
+
+
+def _single_stats(result: ScenarioResult, floors: Floors) -> dict[str, Any]:
+    """The first request has its own line: the miss column is warm misses."""
+    return block(warm_samples(result.samples), floors)
+
+
+def _toolcount_stats(result: ScenarioResult, floors: Floors) -> dict[str, Any]:
+    """One block per size: a speedup across sizes means nothing."""
+    counts = sorted({s.num_tools for s in result.samples})
+    return {"by_tools": {str(n): block([s for s in result.samples if s.num_tools == n], floors) for n in counts}}
+
+
+def _soak_stats(result: ScenarioResult, floors: Floors) -> dict[str, Any]:
+    """About memory (details): the samples' timings are in `samples`."""
+    return {"errors": sum(1 for s in result.samples if s.cache == "error")}
+
+
+def _peer_table(s: Scenarios) -> Table:
+    return peer_table(s["peer"], s["peer"]["peer_url"])
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("single", with_forced_tokens(run_single), lambda p: 1 + p.requests + max(p.misses - 1, 0) + p.bypass),
-    Scenario("toolcount", run_toolcount, lambda p: len(p.tool_counts) * (1 + p.hits_per_count)),
-    Scenario("interleaved", run_interleaved, lambda p: p.groups * p.rounds),
-    Scenario("restart", run_restart, lambda p: 3),
+    Scenario("single", with_forced_tokens(run_single), lambda p: 1 + p.requests + max(p.misses - 1, 0) + p.bypass,
+             _single_stats, in_table=True, lines=single_lines),
+    Scenario("toolcount", run_toolcount, lambda p: len(p.tool_counts) * (1 + p.hits_per_count), _toolcount_stats,
+             in_table=True),
+    Scenario("interleaved", run_interleaved, lambda p: p.groups * p.rounds, _block, in_table=True,
+             lines=interleaved_lines),
+    Scenario("restart", run_restart, lambda p: 3, _block, in_table=True, lines=restart_lines),
     Scenario("concurrent", with_forced_tokens(run_concurrent),
-             lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client),
-    Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3),  # ~3 hits during
-    Scenario("soak", run_soak, lambda p: p.soak_requests),
-    Scenario("agent", with_forced_tokens(run_agent), lambda p: p.agent_turns),
-    Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
-                                                                 turns=p.history_turns, words=p.history_words)),
-    Scenario("constrained", run_constrained, lambda p: p.constrained_requests),
-    Scenario("fleet", run_fleet, fleet_planned),
-    Scenario("hostile-soak", run_hostile_soak, hostile_planned),
-    Scenario("peer", run_peer, peer_planned),
+             lambda p: len(p.clients) * (1 + p.mixed_groups) + 2 * sum(p.clients) * p.requests_per_client,
+             lambda r, f: concurrent_stats(r.samples, r.details.get("cases", [])),
+             table=concurrency_table, lines=concurrency_lines),
+    Scenario("compile-overlap", run_compile_overlap, lambda p: 1 + p.alone_hits + 1 + 3,  # ~3 hits during
+             lambda r, f: overlap_stats(r.samples), table=concurrency_table, lines=concurrency_lines),
+    Scenario("soak", run_soak, lambda p: p.soak_requests, _soak_stats, lines=soak_lines),
+    Scenario("agent", with_forced_tokens(run_agent), lambda p: p.agent_turns, lambda r, f: agent_stats(r.samples),
+             table=lambda s: agent_table(s["agent"]), lines=lambda s: agent_lines(s["agent"])),
+    Scenario("peer", run_peer, peer_planned, lambda r, f: peer_stats(r.samples, r.details), table=_peer_table,
+             lines=lambda s: peer_lines(s["peer"])),
 )}
 assert tuple(SCENARIOS) == SCENARIO_NAMES  # the command line lists them without importing this module

@@ -1,25 +1,20 @@
 """A `toolkv serve` subprocess the bench starts, restarts (same cache dir) and stops (`--spawn`),
-with `--replicas N` a fleet on Ray Serve; and the fleet scenario's round-robin baseline fleet,
-spawned in its place for a while (`BaselineSwap`)."""
+with `--replicas N` a fleet on Ray Serve."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 import httpx
-
-from gateway.bench.client import BenchClient
 
 READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
@@ -100,40 +95,6 @@ class SpawnedServer:
                     raise ServerFailed(f"the server failed to load its model; see {self.log_path}")
                 await asyncio.sleep(0.2)  # polling readiness, not synchronising
         raise ServerFailed(f"the server was not ready after {READY_TIMEOUT_S:.0f}s; see {self.log_path}")
-
-
-class BaselineSwap:
-    """The fleet scenario's baseline with `--spawn`: a second fleet routed round robin, each replica
-    with a cache of its own (N independent servers behind a plain load balancer), on a fresh cache
-    dir. It runs in the main server's place, never beside it (one fleet's cores or GPUs at a time):
-    `start` stops the main server and starts the baseline; `stop` stops the baseline and starts the
-    main server again on its cache dir, the bench's client rebased onto it."""
-
-    ARGS = ("--upstream-routing", "round_robin", "--replica-cache", "separate")
-    description = "round robin, a cache dir per replica (spawned in the main fleet's place)"
-
-    def __init__(self, main: SpawnedServer, client: BenchClient) -> None:
-        self.main = main
-        self.client = client
-        self.server: SpawnedServer | None = None
-
-    async def start(self) -> str:
-        await self.main.stop()
-        main = self.main
-        self.server = SpawnedServer(cache_dir=Path(tempfile.mkdtemp(prefix="toolkv-bench-baseline-")),
-                                    log_path=main.log_path.with_name("baseline-server.log"), model=main.model,
-                                    config=main.config, replicas=main.replicas,
-                                    extra_args=(*main.extra_args, *self.ARGS), env=main.env)
-        return await self.server.start()
-
-    async def stop(self) -> None:
-        server, self.server = self.server, None
-        try:
-            if server is not None:
-                await server.stop()
-                shutil.rmtree(server.cache_dir, ignore_errors=True)
-        finally:
-            self.client.rebase(await self.main.start())
 
 
 async def _health(http: httpx.AsyncClient, base_url: str) -> str | None:

@@ -20,8 +20,9 @@ from transformers import AutoTokenizer
 
 from adapters.hermes import HermesFamily
 from adapters.render import PromptRenderer
-from gateway.bench.agent_report import agent_stats, agent_target
+from gateway.bench.agent_report import agent_stats
 from gateway.bench.client import Sample
+from gateway.bench.lab.targets import targets
 from gateway.bench.trajectories import (
     DEFAULT_TRAJECTORIES_FILE,
     DEFAULT_TRAJECTORY_TOOLS_FILE,
@@ -101,7 +102,7 @@ def test_summary_covers_the_turns_after_the_first(run):
     assert summary["computed_tokens_p50"] == sorted(r["computed_tokens"] for r in later)[len(later) // 2]
     assert summary["computed_minus_new_max"] == max(r["computed_minus_new"] for r in later)
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p95"]
-    assert data["targets"]["agent_computes_only_new_messages"] == (summary["computed_minus_new_max"] <= 16)
+    assert targets(data)["agent_computes_only_new_messages"] == (summary["computed_minus_new_max"] <= 16)
 
 
 def test_table_prints_every_turn(run):
@@ -142,7 +143,7 @@ def test_a_turn_beyond_the_context_skips_the_rest_of_its_conversation(live, tmp_
     agent = data["scenarios"]["agent"]
     assert agent["turns"] == [] and agent["summary"]["turns"] == 0
     assert "turn 6 and the 7 after it skipped, beyond the model's context" in agent["notes"][0]
-    assert data["targets"]["agent_computes_only_new_messages"] is None
+    assert targets(data)["agent_computes_only_new_messages"] is None
     assert "beyond the model's context" in printed
 
 
@@ -198,15 +199,15 @@ def test_stats_skip_first_turns_and_failed_turns():
     assert summary["turns"] == 3  # a2, a4, b2
     assert summary["computed_tokens_p50"] == 104 and summary["computed_minus_new_max"] == 4
     assert summary["ttft_ms"]["p50"] == 200.0
-    assert agent_target(out) is True
-    assert agent_target({"skipped": "why", **out}) is None
+    assert _agent_target(out) is True
+    assert _agent_target({"skipped": "why", **out}) is None
 
 
 def test_stats_of_a_server_without_usage():
     out = agent_stats([sample("a", 1, None, None), sample("a", 2, None, None)])
     assert [r["computed_tokens"] for r in out["turns"]] == [None, None]
     assert out["summary"]["computed_tokens_p50"] is None and out["summary"]["ttft_ms"]["p50"] == 200.0
-    assert agent_target(out) is None
+    assert _agent_target(out) is None
 
 
 def test_a_missing_trajectory_file_is_a_one_line_error(tmp_path, capsys):
@@ -221,3 +222,7 @@ def test_more_conversations_than_the_file_holds_is_an_error(tmp_path, capsys):
                  "--conversations", "1000"])
     assert code == 2
     assert "--conversations 1000" in capsys.readouterr().err
+
+
+def _agent_target(agent: dict[str, Any]) -> bool | None:
+    return targets({"scenarios": {"agent": agent}})["agent_computes_only_new_messages"]

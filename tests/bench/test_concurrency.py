@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from gateway.bench.lab.targets import targets
 from gateway.cli.main import main
 from tests.support.server import LiveServer
 
@@ -81,9 +82,9 @@ def test_ratios_four_clients_over_one(run):
             four["tokens_per_s"] / one["tokens_per_s"], rel=0.02, abs=0.006)  # stored to 2 decimals
         assert ratios[mode]["hit_ttft_p50_4_over_1"] == pytest.approx(
             four["hit_ttft_ms"]["p50"] / one["hit_ttft_ms"]["p50"], rel=0.02, abs=0.006)
-    targets = data["targets"]
-    assert isinstance(targets["tokens_per_s_4_clients_at_least_2_5x"], bool)
-    assert isinstance(targets["hit_ttft_4_clients_at_most_2x"], bool)
+    met = targets(data)  # the lab's targets read the user's report
+    assert isinstance(met["tokens_per_s_4_clients_at_least_2_5x"], bool)
+    assert isinstance(met["hit_ttft_4_clients_at_most_2x"], bool)
 
 
 def test_compile_overlap_times_hits_alone_and_during_a_compile(run):
@@ -105,7 +106,7 @@ def test_compile_overlap_times_hits_alone_and_during_a_compile(run):
     during = [s for s in o["samples"] if s["tags"]["phase"] == "during-compile"]
     assert all(s["cache"] == "hit" for s in during)
     assert during[0]["started_s"] > compile_sample["started_s"]  # sent once the compile was on the wire
-    assert isinstance(data["targets"]["hit_ttft_during_compile_at_most_4x"], bool)
+    assert isinstance(targets(data)["hit_ttft_during_compile_at_most_4x"], bool)
 
 
 def test_table_prints_cases_and_ratios(run):

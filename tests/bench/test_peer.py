@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from gateway.bench.client import parse_metrics
-from gateway.bench.command import _plan, _scenario_names
+from gateway.bench.command import _plan, scenario_names
 from gateway.bench.memory import memory_from_metrics, memory_lines
 from gateway.bench.options import register
+from gateway.bench.scenarios import SCENARIOS
 from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
@@ -134,8 +135,9 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_peer_url_adds_the_peer_scenario_and_the_clients_it_compares():
-    assert _scenario_names(_args("--peer-url", "http://x")) == ["peer"]
-    assert _scenario_names(_args("--peer-url", "http://x", "--scenario", "peer", "single")) == ["single", "peer"]
+    assert scenario_names(_args("--peer-url", "http://x"), SCENARIOS) == ["peer"]
+    assert scenario_names(_args("--peer-url", "http://x", "--scenario", "peer", "single"), SCENARIOS) == [
+        "single", "peer"]
     assert _plan(_args("--peer-url", "http://x")).peer_clients == (1, 4, 16, 32)
     assert _plan(_args("--peer-url", "http://x", "--clients", "2,1")).peer_clients == (1, 2)
     with pytest.raises(ValueError, match="--peer-url"):

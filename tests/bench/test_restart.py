@@ -14,7 +14,8 @@ import pytest
 
 from gateway.api.app import create_app
 from gateway.bench.client import BenchClient
-from gateway.bench.scenarios import Context, Plan, run_restart
+from gateway.bench.context import Context, Plan
+from gateway.bench.scenarios import run_restart
 from gateway.bench.workload import Workload
 from gateway.cli.main import main
 from gateway.settings import Settings, load_settings

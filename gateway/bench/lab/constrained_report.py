@@ -1,7 +1,7 @@
 """The constrained scenario's numbers: per kind, the valid share (target 100%), the finish
 reasons, the first failures, tool-selection accuracy (informative: the first call's tool against
 the row's, for `required`), and the grammar's cost per token against a decode step's (target: at
-most 10%); the targets, the table and the summary lines."""
+most 10%, lab/targets.py); the table and the summary lines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from rich.table import Table
 
 from gateway.bench.client import Sample
 
-TARGET_VALID = 1.0  # every forced call and structured answer valid
-TARGET_GRAMMAR_SHARE = 0.10  # the grammar's time per token at most this share of a decode step's
 MAX_FAILURES_SHOWN = 10
 
 
@@ -55,13 +53,6 @@ def _failures(samples: list[Sample]) -> list[dict[str, Any]]:
 
 def _share(count: int, total: int) -> float | None:
     return round(count / total, 4) if total else None
-
-
-def constrained_targets(c: dict[str, Any]) -> dict[str, bool | None]:
-    """Every answer valid; the grammar's share of decode time at most 10% (None: not measured)."""
-    share = (c.get("cost") or {}).get("all", {}).get("grammar_share_of_decode")
-    return {"constrained_all_valid": c.get("all_valid") if c.get("requests") else None,
-            "constraint_cost_at_most_10pct_of_decode": None if share is None else share <= TARGET_GRAMMAR_SHARE}
 
 
 FINISH_CODES = {"tool_calls": "calls", "stop": "stop", "length": "LEN", "None": "none"}

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from adapters.base import ToolGroup as PromptGroup
 from adapters.base import ToolSpec
 from gateway.bench.client import BenchClient, Expected, Sample
 from gateway.bench.context import Context, Plan, ScenarioResult
+from gateway.bench.lab.baselines import BaselineFleet
 from gateway.bench.lab.fleet_metrics import (
     ROUTED,
     Metrics,
@@ -50,27 +50,13 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 MAX_CANDIDATES = 64  # groups ranked to find the balanced case's even split (each home is a coin toss)
 
 
-@dataclass(frozen=True, slots=True)
-class FixedBaseline:
-    """A baseline deployment already running (`--baseline-url`)."""
-
-    url: str
-    description: str = "the deployment at --baseline-url"
-
-    async def start(self) -> str:
-        return self.url
-
-    async def stop(self) -> None:
-        return None
-
-
 def planned(plan: Plan) -> int:
     """Requests the scenario sends (baseline included), for the progress bar."""
     sequence = plan.fleet_groups * plan.fleet_rounds
     return 2 * sequence + plan.fleet_clients * (2 + 2 * plan.fleet_requests_per_client)
 
 
-async def run_fleet(ctx: Context) -> ScenarioResult:
+async def run_fleet(ctx: Context, fleet_baseline: BaselineFleet | None) -> ScenarioResult:
     name, plan = "fleet", ctx.plan
     upstreams = upstreams_of(await ctx.client.metrics())
     if len(upstreams) < 2:
@@ -88,7 +74,7 @@ async def run_fleet(ctx: Context) -> ScenarioResult:
     except WorkloadError as exc:
         ctx.on_skip(planned(plan) - len(result.samples))
         return ScenarioResult(name, skipped=str(exc))
-    result.samples += await baseline(ctx, result.details)
+    result.samples += await baseline(ctx, fleet_baseline, result.details)
     if not any(s.tags.get("compiled_on") is not None for s in result.samples):
         result.notes.append("the ingress's /metrics has no replica-labelled series: compiles per replica unknown")
     return result
@@ -140,22 +126,22 @@ async def balanced(ctx: Context, upstreams: tuple[str, ...], details: dict[str, 
     return samples
 
 
-async def baseline(ctx: Context, details: dict[str, Any]) -> list[Sample]:
+async def baseline(ctx: Context, fleet: BaselineFleet | None, details: dict[str, Any]) -> list[Sample]:
     """The interleaved part again on the round-robin fleet, on groups of its own."""
-    if ctx.baseline is None:
+    if fleet is None:
         ctx.on_skip(ctx.plan.fleet_groups * ctx.plan.fleet_rounds)
         details["baseline"] = {"skipped": "no baseline fleet: pass --baseline-url (a fleet started with "
                                           "--upstream-routing round_robin --replica-cache separate), or use --spawn"}
         return []
-    details["baseline"] = {"skipped": None, "fleet": ctx.baseline.description}
+    details["baseline"] = {"skipped": None, "fleet": fleet.description}
     try:
-        return await baseline_run(ctx, await ctx.baseline.start(), details["baseline"])
+        return await baseline_run(ctx, await fleet.start(), details["baseline"])
     except ServerFailed as exc:
         ctx.on_skip(ctx.plan.fleet_groups * ctx.plan.fleet_rounds)
         details["baseline"]["skipped"] = str(exc)
         return []
     finally:
-        await ctx.baseline.stop()
+        await fleet.stop()
 
 
 async def baseline_run(ctx: Context, url: str, out: dict[str, Any]) -> list[Sample]:

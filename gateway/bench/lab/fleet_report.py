@@ -1,7 +1,7 @@
 """The fleet scenario's numbers: for the interleaved part and the round-robin baseline, the hit
 rate after each group's first request and the compiles per group and per replica; for the hot
-group and the balanced case, requests per replica and hit TTFT, and their ratio; the targets,
-the table and the summary lines."""
+group and the balanced case, requests per replica and hit TTFT, and their ratio; the table and
+the summary lines (its targets are in lab/targets.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from rich.table import Table
 
 from gateway.bench.client import Sample
 from gateway.bench.stats import ttft_stats
-
-TARGET_HOT_OVER_BALANCED_P95 = 2.0  # the hot group's hit TTFT p95 at most this times the balanced case's
 
 
 def fleet_stats(samples: list[Sample], details: dict[str, Any]) -> dict[str, Any]:
@@ -79,19 +77,6 @@ def _measured(samples: list[Sample]) -> dict[str, Any]:
             "misses": sum(1 for s in measured if s.cache == "miss"),
             "errors": sum(1 for s in measured if s.cache == "error"),
             "hit_ttft_ms": ttft_stats([s for s in measured if s.cache == "hit"])}
-
-
-def fleet_targets(f: dict[str, Any]) -> dict[str, bool | None]:
-    """The fleet targets where the run measured them (None: not measured)."""
-    if not f or f.get("skipped"):
-        return dict.fromkeys(("fleet_hits_after_first", "fleet_first_compile_on_one_replica", "fleet_hot_spreads",
-                              "fleet_hot_p95_within_2x_balanced"))
-    inter, ratio = f["interleaved"], f["hot_over_balanced_p95"]
-    once = inter["groups_compiled_once"]
-    return {"fleet_hits_after_first": inter["after_first"]["hit_rate"] == 1.0 if inter["after_first"]["n"] else None,
-            "fleet_first_compile_on_one_replica": None if once is None else once == len(inter["by_group"]),
-            "fleet_hot_spreads": len(f["hot"]["replicas_reached"]) > 1,
-            "fleet_hot_p95_within_2x_balanced": None if ratio is None else ratio <= TARGET_HOT_OVER_BALANCED_P95}
 
 
 def fleet_table(f: dict[str, Any]) -> Table:

@@ -1,13 +1,15 @@
 """The history scenario's numbers: errors, how many later turns found their conversation's record
-still in the pool, RSS growth over the run and its target, and the summary lines."""
+still in the pool, RSS growth over the run, the summary lines and the plot."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from gateway.bench.client import Sample
+from matplotlib.ticker import MaxNLocator
 
-TARGET_HISTORY_RSS_GROWTH = 0.05  # RSS from the first reading (10%) to the last grows by at most this share
+from gateway.bench.client import Sample
+from gateway.bench.plots import COLORS, figure
 
 
 def history_stats(samples: list[Sample]) -> dict[str, Any]:
@@ -24,12 +26,6 @@ def history_stats(samples: list[Sample]) -> dict[str, Any]:
             "group_tokens": group, "prompt_tokens": prompt, "cached_tokens": cached,
             "computed_tokens": prompt - cached,
             "later_turns": {"n": len(later), "record_found": found, "record_gone": len(later) - found}}
-
-
-def history_target(history: dict[str, Any]) -> bool | None:
-    """RSS flat: growth from the first reading to the last at most 5% of the first (None: not measured)."""
-    growth, first = history.get("rss_growth_mb"), history.get("rss_first_mb")
-    return None if growth is None or not first else growth <= TARGET_HISTORY_RSS_GROWTH * first
 
 
 def history_lines(h: dict[str, Any]) -> list[str]:
@@ -54,3 +50,35 @@ def history_lines(h: dict[str, Any]) -> list[str]:
 
 def _n(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def history_plot(scenarios: dict[str, dict[str, Any]], model: str | None, out_dir: Path) -> Path:
+    """At each reading, against the prompt tokens sent so far: the server's RSS (flat once the
+    pool is warm), and the pool's blocks in use and the conversation records it holds."""
+    history, path = scenarios["history"], out_dir / "history.png"
+    readings = [r for r in history["readings"] if r["rss_mb"] is not None]
+    tokens = [r["tokens"] for r in readings]
+    fig = figure(8, 6)
+    rss_ax, pool_ax = fig.subplots(2, 1, sharex=True)
+    rss_ax.plot(tokens, [r["rss_mb"] for r in readings], marker="o", color=COLORS["floor"])
+    rss_ax.set_ylim(bottom=0)
+    rss_ax.set_ylabel("server RSS (MB)")
+    pool_ax.plot(tokens, [r["kv_blocks_used"] for r in readings], marker="o", color=COLORS["miss"])
+    pool_ax.set_ylim(0, history["pool"]["blocks"] or None)
+    pool_ax.set_ylabel(f"KV blocks in use (of {_count(history['pool']['blocks'])})", color=COLORS["miss"])
+    records_ax = pool_ax.twinx()  # a few records, hundreds of blocks: an axis each
+    records_ax.plot(tokens, [r["conversation_records"] for r in readings], marker="s", color=COLORS["hit"])
+    records_ax.set_ylim(bottom=0)
+    records_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    records_ax.set_ylabel("conversation records", color=COLORS["hit"])
+    pool_ax.set_xlabel("prompt tokens sent")
+    for ax in (rss_ax, pool_ax):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"history: {history['tokens_sent']:,} prompt tokens over {history['conversations']:,} "
+                 f"conversations: {model}")
+    fig.savefig(path)
+    return path
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"

@@ -36,10 +36,8 @@ NEAR_LIMIT_BYTES = 4 * 1024**2 - 64 * 1024  # just under the default max_request
 DEEP_NESTING = 2_000  # far past the document depth limit
 TOOL_ARGS_BYTES = 2 * 1024**2
 SCHEMA_PROPERTIES = 400  # ~20 KB per response_format schema, each one distinct
-TARGET_B_RATIO = 2.0  # B's p50 latency under attack / alone
 SPAWN_BOUNDS = {"TOOLKV_RAM_BUDGET_BYTES": "256MiB", "TOOLKV_GRAMMAR_CACHE_BYTES": "32MiB"}
 RSS_READINGS = 10  # the server's RSS read after every tenth of B's requests under attack
-TARGET_RSS_GROWTH = 0.25  # RSS from key A's start to the end grows by at most this share
 
 
 def spawn_env(api_key: str | None) -> tuple[str, dict[str, str]]:
@@ -194,16 +192,6 @@ def hostile_details(alone: list[Sample], attacked: list[Sample], rss_start: floa
         "hostile_statuses": {kind: dict(sorted(c.items())) for kind, c in sorted(statuses.items())},
         "hostile_failures": failures,
     }
-
-
-def hostile_targets(h: dict[str, Any]) -> dict[str, bool | None]:
-    """The soak's targets, only when the scenario ran (it runs only when named)."""
-    if not h or h.get("skipped"):
-        return {}
-    ratio, growth, start = h.get("b_ratio_p50"), h.get("rss_growth_mb"), h.get("rss_start_mb")
-    return {"hostile_b_within_2x": None if ratio is None else ratio <= TARGET_B_RATIO,
-            "hostile_rss_bounded": None if growth is None or not start else growth <= TARGET_RSS_GROWTH * start,
-            "hostile_no_5xx": h.get("hostile_failures", 0) == 0 and h.get("b_errors", 0) == 0}
 
 
 def hostile_lines(h: dict[str, Any]) -> list[str]:

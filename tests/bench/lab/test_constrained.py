@@ -14,7 +14,7 @@ import pytest
 
 from gateway.bench.bfcl import MERCHANT_SLICE, SCHEMA_ROWS, load_tool_rows, quick
 from gateway.bench.lab.constrained import BOUND_CHARS, bounded_schema, grammar_cost, load_rows, request_body
-from gateway.bench.lab.constrained_report import constrained_targets
+from gateway.bench.lab.targets import targets
 from gateway.bench.lab.validity import Answer, StreamAssembler, answer_problem, call_problem
 from gateway.cli.main import main
 from gateway.settings import load_settings
@@ -37,8 +37,8 @@ def long_context(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.T
 @pytest.fixture(scope="module")
 def constrained(long_context: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("constrained-out")
-    code = main(["bench", "--base-url", long_context.base_url, "--scenario", "constrained", "--quick", "--bounded",
-                 "--no-floor", "--out", str(out)])
+    code = main(["bench", "--base-url", long_context.base_url, "--lab", "--scenario", "constrained", "--quick",
+                 "--bounded", "--no-floor", "--out", str(out)])
     assert code == 0
     return dict(json.loads((out / "bench.json").read_text()))
 
@@ -185,6 +185,11 @@ def test_grammar_cost_is_the_counters_growth_per_token_and_per_step():
     assert (cost["grammar_ms_per_token"], cost["decode_ms_per_step"]) == (2.0, 50.0)
     assert cost["grammar_share_of_decode"] == 0.04
     assert grammar_cost({}, {})["grammar_share_of_decode"] is None  # a server without the counters
+
+
+def constrained_targets(constrained: dict[str, Any]) -> dict[str, bool | None]:
+    met = targets({"scenarios": {"constrained": constrained}})
+    return {k: met[k] for k in ("constrained_all_valid", "constraint_cost_at_most_10pct_of_decode")}
 
 
 def test_targets_are_every_answer_valid_and_the_grammar_within_a_tenth_of_decode():

@@ -55,7 +55,7 @@ def bench(fleets: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     out = tmp_path_factory.mktemp("fleet-out")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "--base-url", fleets[0], "--baseline-url", fleets[1], "--scenario", "fleet",
+        code = main(["bench", "--base-url", fleets[0], "--baseline-url", fleets[1], "--lab", "--scenario", "fleet",
                      "--quick", "--tools", "4", "--no-floor", "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), printed.getvalue()
@@ -120,5 +120,5 @@ def test_the_printed_report_has_the_fleet_table_and_lines(bench):
 
 
 def test_replicas_are_for_a_spawned_fleet(capsys):
-    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--replicas", "2", "--scenario", "fleet"]) == 2
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--replicas", "2", "--lab", "--scenario", "fleet"]) == 2
     assert "--replicas N takes --spawn" in capsys.readouterr().err

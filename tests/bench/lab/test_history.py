@@ -16,7 +16,7 @@ import pytest
 
 from gateway.bench.client import parse_metrics
 from gateway.bench.lab.history import ASSISTANT_REPLY, HistoryChats
-from gateway.bench.lab.history_report import history_target
+from gateway.bench.lab.targets import targets
 from gateway.cli.main import main
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
@@ -39,7 +39,7 @@ def history(small_pool: LiveServer, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("history-out")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "--base-url", small_pool.base_url, "--scenario", "history", "--no-floor",
+        code = main(["bench", "--base-url", small_pool.base_url, "--lab", "--scenario", "history", "--no-floor",
                      "--history-tokens", str(HISTORY_TOKENS), "--history-turns", "4", "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), printed.getvalue(), out
@@ -103,6 +103,9 @@ def test_metrics_text_is_read_series_by_series():
 
 
 def test_history_rss_is_flat_when_it_grows_by_at_most_five_percent_of_the_first_reading():
-    assert history_target({"rss_first_mb": 500.0, "rss_growth_mb": 25.0}) is True
-    assert history_target({"rss_first_mb": 500.0, "rss_growth_mb": 25.1}) is False
-    assert history_target({"rss_first_mb": None, "rss_growth_mb": None}) is None
+    def met(history: dict[str, Any]) -> bool | None:
+        return targets({"scenarios": {"history": history}})["history_rss_flat"]
+
+    assert met({"rss_first_mb": 500.0, "rss_growth_mb": 25.0}) is True
+    assert met({"rss_first_mb": 500.0, "rss_growth_mb": 25.1}) is False
+    assert met({"rss_first_mb": None, "rss_growth_mb": None}) is None

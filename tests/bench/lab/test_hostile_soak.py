@@ -37,7 +37,7 @@ def soak(keyed: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> tuple[d
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv(HOSTILE_KEY_ENV, KEY_A)
-        code = main(["bench", "--base-url", keyed.base_url, "--api-key", KEY_B, "--scenario", "hostile-soak",
+        code = main(["bench", "--base-url", keyed.base_url, "--api-key", KEY_B, "--lab", "--scenario", "hostile-soak",
                      "--no-floor", "--requests", "1", "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), printed.getvalue()
@@ -69,7 +69,7 @@ def test_the_report_has_the_ratio_and_rss(soak):
     series = h["rss_during_attack_mb"]  # A's start, a reading per tenth of B's requests, the end
     assert series[0] == h["rss_start_mb"] and series[-1] == h["rss_end_mb"] and len(series) >= 3
     assert "after every tenth of B's requests" in printed
-    assert "checks" not in report  # targets are shown only with --check
+    assert "checks" not in report  # targets are checked only with --check
     assert set(report["targets"]) >= {"hostile_b_within_2x", "hostile_rss_bounded", "hostile_no_5xx"}
 
 
