@@ -22,8 +22,9 @@ Both apply an optional sliding window. On a machine without a GPU the tests run 
 Triton's interpreter (tests/engine/test_attention_kernels.py checks them against plain attention).
 
 Torch (`torch_attention`), per sequence over the pool's strided views, after the caller turned
-and wrote the step's keys: a decode row as scores per segment, one softmax, `probs @ v` per
-segment; a prompt chunk as torch's fused SDPA over the segments joined into one copy.
+and wrote the step's keys: a decode row or a chunk of up to `SMALL_CHUNK_TOKENS` (a hit's few new
+tokens) as scores per segment, one softmax, `probs @ v` per segment; a longer prompt chunk as
+torch's fused SDPA over the segments joined into one copy.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ NUM_SPLITS = 16  # key splits per decode row (enough programs to fill an H100 at
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 32
 PREFILL_BLOCK_N = 64
+# The torch backend attends a chunk of up to this many new tokens with explicit products read in
+# place, not SDPA: nothing is copied, and on the CPU SDPA's kernel splits a 1- or 3-token chunk's
+# work by the thread count (its last bits change with it; engine/cpu_threads.py), these products do not.
+SMALL_CHUNK_TOKENS = 16
 
 
 def available(device: torch.device) -> bool:
@@ -162,7 +167,8 @@ def torch_attention(rows: list[RowKV], sizes: list[int], layer: int, query: torc
                     (row.own.keys(layer, 0, end), row.own.values(layer, 0, end))]
         hidden = row.hidden(new, window, query.device)
         q = query[offset:offset + new].transpose(0, 1)
-        out = _attend_in_place(q, segments, hidden, scale) if new == 1 else _attend_chunk(q, segments, hidden, scale)
+        small = new <= SMALL_CHUNK_TOKENS
+        out = _attend_in_place(q, segments, hidden, scale) if small else _attend_chunk(q, segments, hidden, scale)
         outputs.append(out.transpose(0, 1))
         offset += new
     return torch.cat(outputs)
@@ -170,15 +176,16 @@ def torch_attention(rows: list[RowKV], sizes: list[int], layer: int, query: torc
 
 def _attend_in_place(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
                      hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One token's attention `[Hq, 1, D]` read straight from the segments' strided views: scores
-    per segment with grouped-query heads folded (KV heads are never repeated), one softmax over
-    them all, `probs @ v` per segment summed in order. Nothing is copied."""
+    """A decode token's or a short chunk's attention `[Hq, n, D]` read straight from the segments'
+    strided views: scores per segment with grouped-query heads folded (KV heads are never
+    repeated), one softmax over them all, `probs @ v` per segment summed in order. Nothing is
+    copied (a hit's few new tokens over a cached group read the group in place)."""
     q_heads, new, dim = query.shape
     kv_heads = segments[0][0].shape[0]
-    q = query.reshape(kv_heads, (q_heads // kv_heads) * new, dim)
+    q = query.reshape(kv_heads, (q_heads // kv_heads) * new, dim)  # rows: (head in group, token)
     scores = torch.cat([torch.matmul(q, k.transpose(1, 2)) for k, _ in segments], dim=-1) * scale
     if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
+        scores = scores.masked_fill(hidden.repeat(q_heads // kv_heads, 1) if new > 1 else hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out, offset = None, 0
     for k, v in segments:

@@ -13,14 +13,19 @@ cores other processes used (/proc/stat over the cores it may use, minus its own 
 runs with the cores left over, at least one. With one thread, its own demand leaves the others'
 share visible, so the count comes back up when they stop and does not flap while they run.
 
-The thread count can change a number, so adapting it is opt-in (`adaptive_threads`, off by
-default): MKL splits most products' rows and columns among threads, not their sums, and one and
-two threads give the same bits for SmolLM2's 1-, 2-, 16-, 37- and 128-row products and a tiny
-model's logits (tests/engine/test_cpu_threads.py); but on torch 2.13 a 5- or 7-row product and
-SDPA over a 1- or 3-token chunk take another path by thread count and differ in their last bits.
-A hit and its bypass computed at different counts may then round differently, and cached output
-must equal uncached output. With the default, the count is fixed at start (`usable_cpus`, or
-`num_threads`) and every result bitwise reproducible."""
+A thread count must never change a number: a hit and its bypass may run at different counts, and
+cached output must equal uncached output. MKL splits most products' rows and columns among
+threads, not their sums, so most shapes give the same bits on one and two threads; but on torch
+2.13 on the development CPU a product of 5 to 7 or 9 to 11 rows takes another path by thread count,
+and so does SDPA over a 1- or 3-token chunk. So, with an adaptive count (`adaptive_threads`, on by
+default; only on toolkv's own model, engine/core.py): at start the engine probes each of the
+model's product shapes at 1 to 16 rows on one thread and on all (`invariant_rows`), and a product
+of a count that differs is padded to the next that does not (engine/models/layers.py); the torch
+backend attends a chunk of up to 16 tokens with plain products read in place, not SDPA
+(engine/attention.py). Matrix products of the attention and SDPA over longer chunks measured
+alike on 1 and 2 threads for every shape tried (3/8/2/4/1 KV heads, head dims 64 to 256, 17-128
+tokens over up to 3,000 keys; tests/engine/test_cpu_threads.py pins SmolLM2's). `num_threads`
+(or `adaptive_threads: false`) fixes the count at start."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,3 +147,41 @@ def _busy_s(cpus: set[str]) -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     return total / ticks
+
+
+PROBED_ROWS = 16  # MKL's small-row products; from 12 rows up every count measured rounds alike
+
+
+def invariant_rows(weights: Iterable[torch.Tensor], threads: int, up_to: int = PROBED_ROWS) -> tuple[int, ...]:
+    """The row counts in `1..up_to` whose product with every one of `weights` (one of each shape
+    and dtype is tried) gives the same bits on one thread as on `threads`. A product of another
+    count is padded up to the next of these (engine/models/layers.py), so a thread count that
+    adapts never changes a number. Measured at start, on random rows: MKL picks a product's path
+    by its shape and the thread count, never by the values. Float weights only (a quantized
+    product is not probed)."""
+    probes: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    for weight in weights:
+        if weight.dim() == 2 and weight.is_floating_point():
+            probes.setdefault((tuple(weight.shape), weight.dtype), weight)
+    every = tuple(range(1, up_to + 1))
+    if threads <= 1 or not probes:
+        return every
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            rows = tuple(m for m in every if all(_rounds_alike(m, w, threads, gen) for w in probes.values()))
+    finally:
+        torch.set_num_threads(before)
+    if rows != every:
+        log.info("products of %s rows round differently on 1 and %d threads: padded to the next of %s",
+                 sorted(set(every) - set(rows)), threads, list(rows))
+    return rows
+
+
+def _rounds_alike(rows: int, weight: torch.Tensor, threads: int, gen: torch.Generator) -> bool:
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+    torch.set_num_threads(1)
+    one = torch.nn.functional.linear(x, weight)
+    torch.set_num_threads(threads)
+    return torch.equal(one, torch.nn.functional.linear(x, weight))

@@ -94,6 +94,9 @@ class StepInputs:
     layout: KVLayout | None = None
     invariant: bool = False
     chunk_rows: tuple[int, ...] = ()
+    # On the CPU with a thread count that adapts: the row counts whose products round the same on
+    # any count (engine/cpu_threads.invariant_rows); a product of other rows is padded up to one.
+    thread_rows: tuple[int, ...] = ()
 
     singles: int = 0  # the leading rows of one token each (decode rows)
     total: int = 0  # tokens in the step
@@ -110,6 +113,10 @@ class StepModel(Protocol):
     kind: str  # "owned" or "transformers"
     config: Any
 
+    def matrices(self) -> list[torch.Tensor]:
+        """The weights of the products toolkv calls itself (none on transformers' fallback)."""
+        ...
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
                  last: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -123,6 +130,7 @@ class ModelRunner:
         self.backend: Backend = backend
         self.batch_invariant = batch_invariant
         self.chunk_rows: tuple[int, ...] = ()
+        self.thread_rows: tuple[int, ...] = ()  # set with an adaptive thread count (StepInputs)
         self.graphs: Any = None  # engine/cuda_graphs.StepGraphs, once captured (`use_graphs`)
         self.weights_bytes = weights_bytes
 
@@ -164,7 +172,7 @@ class ModelRunner:
         return self.run(ids, positions, step, last)
 
     def step_inputs(self, rows: list[RowKV], sizes: list[int], layout: KVLayout | None = None) -> StepInputs:
-        return StepInputs(rows, sizes, self.pool, layout, self.batch_invariant, self.chunk_rows)
+        return StepInputs(rows, sizes, self.pool, layout, self.batch_invariant, self.chunk_rows, self.thread_rows)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
             last: torch.Tensor | None) -> torch.Tensor:

@@ -62,11 +62,10 @@ class Settings(BaseSettings):
                                                        "directory or hub id")
     num_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: the cores this process "
                                                             "may use)")
-    adaptive_threads: bool = Field(False, description="on the CPU, run torch on the cores other processes leave "
-                                                      "(measured each second): faster on a busy machine, but a hit "
-                                                      "and its bypass computed at different thread counts may differ "
-                                                      "in their last bits (off: a fixed count, every result bitwise "
-                                                      "reproducible)")
+    adaptive_threads: bool = Field(True, description="on the CPU, run torch on the cores other processes leave "
+                                                     "(measured each second; toolkv's own model pads its products "
+                                                     "so every count gives the same bits): much faster on a busy "
+                                                     "machine (off: the count fixed at start)")
     max_model_len: int | None = Field(None, ge=16, description="the longest prompt plus completion, in tokens "
                                                                "(default: the model's context length)")
 

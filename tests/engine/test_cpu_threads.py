@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from gateway.engine import cpu_threads
-from gateway.engine.cpu_threads import ThreadGovernor, cgroup_cpu_quota, usable_cpus
+from gateway.engine import attention, cpu_threads
+from gateway.engine.cpu_threads import ThreadGovernor, cgroup_cpu_quota, invariant_rows, usable_cpus
 from gateway.engine.model_loader import load_model
+from gateway.engine.model_runner import StepInputs
+from gateway.engine.models.layers import project
 from gateway.settings import load_settings
 
 
@@ -70,29 +71,63 @@ def test_on_cores_other_processes_hold_the_engine_runs_one_thread(busy_cores, re
     assert governor.threads == 1 == torch.get_num_threads()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 37, 128])
-def test_one_and_two_threads_give_the_same_numbers(rows, restore_threads):
-    """SmolLM2's products (576 wide; 192 to 49,152 out), its norm, and attention over 2,000 keys as
-    the torch backend computes it: a chunk of `rows` tokens through SDPA (grouped heads, causal
-    mask), one token as matrix products. Not a 3-token chunk: SDPA's CPU kernel splits that one's
-    work by the thread count (its last bits differ; see gateway/engine/cpu_threads.py)."""
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=gen)
-    weights = [torch.randn(n, 576, generator=gen) for n in (192, 576, 1536, 49152)]
-    q, k, v = torch.randn(1, 9, rows, 64, generator=gen), *(torch.randn(1, 3, 2000, 64, generator=gen) for _ in "kv")
-    mask = torch.ones(rows, 2000, dtype=torch.bool).tril(2000 - rows)
+SMOLLM2_PRODUCTS = (960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)  # qkv, o, gate_up, down, head
 
-    def attention() -> torch.Tensor:
-        if rows > 1:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        scores = torch.matmul(q.reshape(3, 3, 64), k[0].transpose(1, 2)) * 0.125
-        return torch.matmul(torch.softmax(scores, dim=-1), v[0])
 
-    def compute(threads: int) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def smollm2_weights() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=gen) / 24 for shape in SMOLLM2_PRODUCTS]
+
+
+def test_every_product_the_engine_runs_rounds_alike_on_one_and_two_threads(smollm2_weights, restore_threads):
+    """SmolLM2's products (engine/models/layers.py `project`) at every row count a step can have:
+    on torch 2.13 here a 5- to 11-row product takes another path on two threads than on one, so
+    the engine pads it to a count that does not (`invariant_rows`, probed at start)."""
+    rows = invariant_rows(smollm2_weights, threads=2)
+    assert 1 in rows and 16 in rows
+    gen = torch.Generator().manual_seed(1)
+    for count in (*range(1, 41), 64, 128):
+        x = torch.randn(count, 1536, generator=gen)
+        step = StepInputs([], [count], None, invariant=False, thread_rows=rows)  # type: ignore[arg-type]
+
+        def products(threads: int, x: torch.Tensor = x, step: StepInputs = step) -> list[torch.Tensor]:
+            torch.set_num_threads(threads)
+            return [project(x[:, :w.shape[1]].contiguous(), w, None, step) for w in smollm2_weights]
+
+        assert all(torch.equal(a, b) for a, b in zip(products(2), products(1), strict=True)), count
+
+
+@pytest.mark.parametrize("new", [1, 2, 3, 5, 16, 17, 64])
+def test_attention_of_a_chunk_rounds_alike_on_one_and_two_threads(new, restore_threads):
+    """SmolLM2's attention (9 query heads on 3 KV heads of 64) of `new` tokens after 2,000 cached
+    ones, a tool group and the row's own keys, as the torch backend computes it: a chunk of up to
+    16 tokens as products read in place (SDPA splits a 3-token chunk's work by the thread count),
+    a longer one through SDPA."""
+    gen = torch.Generator().manual_seed(new)
+    query = torch.randn(9, new, 64, generator=gen)
+    group = tuple(torch.randn(3, 2000, 64, generator=gen) for _ in "kv")
+    own = tuple(torch.randn(3, new, 64, generator=gen) for _ in "kv")
+    hidden = torch.ones(new, 2000 + new, dtype=torch.bool).triu(2001) if new > 1 else None
+
+    def attend(threads: int) -> torch.Tensor:
         torch.set_num_threads(threads)
-        return [*(F.linear(x, w) for w in weights), F.rms_norm(x, (576,)), attention()]
+        small = new <= attention.SMALL_CHUNK_TOKENS
+        return (attention._attend_in_place if small else attention._attend_chunk)(query, [group, own], hidden, 0.125)
 
-    assert all(torch.equal(a, b) for a, b in zip(compute(2), compute(1), strict=True))
+    assert torch.equal(attend(2), attend(1))
+
+
+def test_a_short_chunk_in_place_equals_sdpa_to_rounding():
+    """The in-place products (a hit's few new tokens) compute the attention SDPA does: causal
+    inside the chunk, grouped heads folded."""
+    gen = torch.Generator().manual_seed(7)
+    query = torch.randn(9, 5, 64, generator=gen)
+    segments = [tuple(torch.randn(3, n, 64, generator=gen) for _ in "kv") for n in (40, 5)]
+    hidden = torch.ones(5, 45, dtype=torch.bool).triu(41)
+    in_place = attention._attend_in_place(query, segments, hidden, 0.125)  # type: ignore[arg-type]
+    fused = attention._attend_chunk(query, segments, hidden, 0.125)  # type: ignore[arg-type]
+    assert torch.allclose(in_place, fused, atol=1e-5)
 
 
 def test_a_model_gives_the_same_logits_on_one_and_two_threads(tiny_model_dir, restore_threads):
@@ -108,18 +143,16 @@ def test_a_model_gives_the_same_logits_on_one_and_two_threads(tiny_model_dir, re
     assert torch.equal(logits(2), logits(1))
 
 
-def test_threads_follow_other_processes_only_when_asked():
-    """A thread count that changes between a hit and its bypass can change a product's last bits
-    (torch 2.13 on this CPU: 5- and 7-row products, a 1- or 3-token chunk's SDPA), so the engine
-    adapts its threads only with `adaptive_threads`; by default cached output stays bitwise equal
-    to uncached output whatever else the machine runs."""
+def test_threads_follow_other_processes_unless_fixed() -> None:
+    """By default the engine adapts its threads on the CPU (its products round alike on any count);
+    `num_threads` or `adaptive_threads: false` fix the count."""
     from types import SimpleNamespace
 
     from gateway.serving.runtime import _thread_governor
 
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert _thread_governor(load_settings(environ={}), cpu) is None  # type: ignore[arg-type]
-    adaptive = load_settings(overrides={"adaptive_threads": True}, environ={})
-    assert isinstance(_thread_governor(adaptive, cpu), ThreadGovernor)  # type: ignore[arg-type]
-    fixed = load_settings(overrides={"adaptive_threads": True, "num_threads": 2}, environ={})
+    assert isinstance(_thread_governor(load_settings(environ={}), cpu), ThreadGovernor)  # type: ignore[arg-type]
+    off = load_settings(overrides={"adaptive_threads": False}, environ={})
+    assert _thread_governor(off, cpu) is None  # type: ignore[arg-type]
+    fixed = load_settings(overrides={"num_threads": 2}, environ={})
     assert _thread_governor(fixed, cpu) is None  # type: ignore[arg-type]

@@ -59,6 +59,9 @@ class TransformersModel:
         self.config = model.config
         self.reason = reason  # why toolkv's own model does not run it
 
+    def matrices(self) -> list[torch.Tensor]:
+        return []  # transformers calls its own products: none are padded (no adaptive threads here)
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
                  last: torch.Tensor | None) -> torch.Tensor:
         logits, starts = [], [0, *itertools.accumulate(step.sizes)]

@@ -24,13 +24,13 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
     the LM head); with `step.invariant`, per sequence: decode rows as one matrix-vector product
     each, each prompt chunk as its own product (padded to `step.chunk_rows`)."""
     if not step.invariant:
-        return F.linear(x, weight, bias)
+        return _padded_linear(x, weight, bias, step.thread_rows)
     if x.shape[0] == step.total:
         singles, chunks = step.singles, step.sizes[step.singles:]
     elif x.shape[0] == len(step.sizes):
         singles, chunks = len(step.sizes), []
     else:
-        return F.linear(x, weight, bias)
+        return _padded_linear(x, weight, bias, step.thread_rows)
     parts = []
     if singles > 1:
         rows = torch.matmul(x[:singles, None, :], weight.t().unsqueeze(0))
@@ -39,17 +39,27 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
         parts.append(F.linear(x[:1], weight, bias))
     offset = singles
     for size in chunks:
-        parts.append(_chunk_linear(x[offset:offset + size], weight, bias, step.chunk_rows))
+        parts.append(_chunk_linear(x[offset:offset + size], weight, bias, step.chunk_rows, step.thread_rows))
         offset += size
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _chunk_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  rows: tuple[int, ...]) -> torch.Tensor:
+                  rows: tuple[int, ...], thread_rows: tuple[int, ...]) -> torch.Tensor:
     """One chunk's product, over the rows its graph alone has when that is more than its own (a
     one-token chunk alone is a decode step's single row: never padded)."""
     size = x.shape[0]
     padded = next((r for r in rows if r >= size), size) if size > 1 else size
+    return _padded_linear(F.pad(x, (0, 0, 0, padded - size)) if padded > size else x, weight, bias,
+                          thread_rows)[:size]
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   thread_rows: tuple[int, ...]) -> torch.Tensor:
+    """`F.linear`, over the next of `thread_rows` (row counts that round the same on any thread
+    count) when `x`'s own count is not one of them."""
+    size = x.shape[0]
+    padded = next((r for r in thread_rows if r >= size), size)
     if padded == size:
         return F.linear(x, weight, bias)
     return F.linear(F.pad(x, (0, 0, 0, padded - size)), weight, bias)[:size]
