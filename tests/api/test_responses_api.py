@@ -7,7 +7,6 @@ Tool calls come from the scripted model (it writes the call its prompt asks for)
 from __future__ import annotations
 
 import json
-import time
 import typing
 from typing import Any
 
@@ -22,6 +21,7 @@ from tests.api.conftest import RESPONSES_KEYS
 from tests.clients.scenario import ORDER_ARGS, ORDER_ID, hermes_calls, tool_result
 from tests.support.family_models import script, scripted_runtime
 from tests.support.server import serve_app
+from tests.support.waiting import wait_until
 
 MODEL = "tiny-llama"
 INSTRUCTIONS = "You are a merchant assistant."
@@ -169,16 +169,6 @@ def requests_counted(live, status: str, stream: str) -> float:
     return float(live.app.state.metrics.requests.labels(status=status, stream=stream)._value.get())
 
 
-def wait_for(predicate, deadline_s: float = 30.0) -> bool:
-    """Poll a state the server reaches on its own (like readiness polling)."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_streaming_client_that_hangs_up_stops_its_generation(live):
     engine = live.app.state.runtime.engine
     cancelled, hangups = engine.num_cancelled, requests_counted(live, "499", "true")
@@ -186,8 +176,8 @@ def test_a_streaming_client_that_hangs_up_stops_its_generation(live):
             "temperature": 0}  # greedy runs to the limit; a sampled answer might end before the hang-up
     with httpx.stream("POST", live.api_url + "/responses", json=body, timeout=60) as resp:
         next(line for line in resp.iter_lines() if line.startswith("data: "))
-    assert wait_for(lambda: requests_counted(live, "499", "true") == hangups + 1)
-    assert wait_for(lambda: engine.num_cancelled == cancelled + 1)
+    assert wait_until(lambda: requests_counted(live, "499", "true") == hangups + 1)
+    assert wait_until(lambda: engine.num_cancelled == cancelled + 1)
 
 
 def test_store_false_keeps_nothing_to_continue(live):

@@ -7,7 +7,6 @@ tiers' own rules (no server)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from gateway.kvcache.store import PrefixStore
 from gateway.settings import load_settings
 from tests.kvcache.entries import disk, make_entry
 from tests.support.server import serve
+from tests.support.waiting import wait_until
 
 BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes
 BLOCK_TOKENS = 16
@@ -128,9 +128,8 @@ def test_a_pin_made_by_another_process_reaches_eviction_within_a_second(tmp_path
         assert here.level(digest) is Level.NONE
         there.pin(digest, 100, budget=1 << 30)
         started = time.monotonic()
-        while here.level(digest) is not Level.PINNED and time.monotonic() - started < 30:
-            threading.Event().wait(0.01)  # polls for the watcher's read; never a fixed wait
-        assert here.level(digest) is Level.PINNED and here.pinned() == {digest: 100}
+        assert wait_until(lambda: here.level(digest) is Level.PINNED)  # the watcher's read
+        assert here.pinned() == {digest: 100}
         assert time.monotonic() - started < 3 * pins_module._REFRESH_EVERY_S  # slack for a loaded machine
     finally:
         here.close()

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import pytest
 from gateway.kvcache.disk_tier import DiskTier
 from tests.support.cache_cli import cache_cli
 from tests.support.server import free_port
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_DEADLINE_S = 180.0
@@ -86,16 +86,15 @@ def gateway_process(model_dir: Path, cache_dir: Path, log_path: Path) -> Iterato
 
 def _wait_ready(proc: subprocess.Popen[bytes], gateway: Gateway) -> None:
     """Readiness polling of /health with a deadline (not synchronisation by sleep)."""
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         assert proc.poll() is None, f"gateway exited:\n{gateway.log}"
         try:
-            if httpx.get(gateway.base_url + "/health", timeout=5).json().get("status") == "ok":
-                return
+            return bool(httpx.get(gateway.base_url + "/health", timeout=5).json().get("status") == "ok")
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"gateway not ready:\n{gateway.log}")
+            return False
+
+    if not wait_until(ready, READY_DEADLINE_S, interval_s=0.1):
+        raise TimeoutError(f"gateway not ready:\n{gateway.log}")
 
 
 def _cached_tokens(completion: dict[str, Any]) -> int:

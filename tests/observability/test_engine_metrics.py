@@ -5,7 +5,6 @@ series, then what a real gateway exports after real requests."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from gateway.engine.stats import EngineStats, StepRecord
 from gateway.metrics import Metrics
 from tests.observability.traffic import Exercised, chat, openai_client, scrape
 from tests.support.server import LiveServer
+from tests.support.waiting import wait_until
 
 # vLLM's vllm:iteration_tokens_total buckets, written out so a change in gateway/metrics.py fails.
 VLLM_ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -43,13 +43,15 @@ def _registry(metrics: Metrics) -> dict[str, Metric]:
 def _idle(server: LiveServer) -> dict[str, Metric]:
     """A scrape once the engine says nothing is running or waiting: the last response can reach the
     client a moment before the engine marks its sequence done, so this polls, with a deadline."""
-    end = time.monotonic() + IDLE_DEADLINE_S
-    while True:
+    families: dict[str, Metric] = {}
+
+    def idle() -> bool:
+        nonlocal families
         _, families = scrape(server)
-        busy = _get(families, "vllm:num_requests_running") + _get(families, "vllm:num_requests_waiting")
-        if busy == 0 or time.monotonic() > end:
-            return families
-        time.sleep(0.05)  # poll interval
+        return _get(families, "vllm:num_requests_running") + _get(families, "vllm:num_requests_waiting") == 0
+
+    wait_until(idle, IDLE_DEADLINE_S, interval_s=0.05)
+    return families
 
 
 # ---- observe_engine ------------------------------------------------------------------------------

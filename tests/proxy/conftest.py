@@ -5,7 +5,6 @@ real uvicorn server on 127.0.0.1 that a test may stop."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings
 from tests.proxy.fake_upstream import Arrivals, FakeUpstream
 from tests.support.server import free_port, wait_until_ready
+from tests.support.waiting import wait_until
 
 MODEL = "tiny-llama"
 
@@ -62,25 +62,12 @@ def running(app: FastAPI) -> Iterator[Running]:
     thread.start()
     live = Running(app, f"http://127.0.0.1:{port}", server, thread)
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:  # readiness polling, as tests/support/server.py does
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
+        assert wait_until(lambda: server.started or not thread.is_alive()) and server.started, "uvicorn did not start"
         assert wait_until_ready(live.base_url)["status"] == "ok"
         yield live
     finally:
         if thread.is_alive():
             live.stop()
-
-
-def wait_for(predicate: Callable[[], bool], deadline_s: float = 60.0) -> bool:
-    """Poll a state a server reaches on its own (like readiness polling)."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def scrape(base_url: str, path: str = "/metrics") -> dict[str, float]:

@@ -26,8 +26,8 @@ from tests.proxy.conftest import (
     proxy,
     scrape,
     tools_of,
-    wait_for,
 )
+from tests.support.waiting import wait_until
 
 TOOLS = tools_of([("orders", 30), ("refunds", 12), ("inventory", 20), ("customers", 8), ("shipping", 16)])
 
@@ -196,6 +196,6 @@ def test_a_hot_group_over_the_bound_spreads_to_its_second_upstream(toolkv_upstre
         assert metric(samples, "toolkv_upstream_routed_total", route="home") == 1
         assert metric(samples, "toolkv_upstream_routed_total", route="spill") == 1
         assert upstream_loads == [1, 1]  # one stream on each: the upstreams' own count
-        assert wait_for(lambda: [e.num_cancelled for e in engines] == [c + 1 for c in cancelled])
-        assert wait_for(lambda: metric(live.metrics(), "toolkv_requests_total", status="499", stream="true") == 2)
+        assert wait_until(lambda: [e.num_cancelled for e in engines] == [c + 1 for c in cancelled])
+        assert wait_until(lambda: metric(live.metrics(), "toolkv_requests_total", status="499", stream="true") == 2)
         assert metric(live.metrics(), "toolkv_upstream_in_flight") == 0

@@ -26,9 +26,9 @@ from tests.proxy.conftest import (
     proxy,
     running,
     tools_of,
-    wait_for,
 )
 from tests.proxy.fake_upstream import Arrivals, FakeUpstream
+from tests.support.waiting import wait_until
 
 TOOLS = tools_of([("alpha", 5), ("bravo", 30), ("charlie", 15)])
 CANONICAL = ["bravo", "charlie", "alpha"]  # largest schema first
@@ -201,7 +201,7 @@ def test_a_client_that_hangs_up_before_the_answer_is_counted_and_frees_its_upstr
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                          % (port, len(payload), payload))
             arrivals.wait_for(1)
-        assert wait_for(lambda: metric(live.metrics(), "toolkv_requests_total", status="499") == 1)
+        assert wait_until(lambda: metric(live.metrics(), "toolkv_requests_total", status="499") == 1)
         samples = live.metrics()
         assert metric(samples, "toolkv_upstream_in_flight") == 0 and metric(samples, "toolkv_requests_in_flight") == 0
         hold.set()

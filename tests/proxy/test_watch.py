@@ -4,8 +4,9 @@ gone by its probe, before any request finds out, and its groups go to the other 
 
 from __future__ import annotations
 
-from tests.proxy.conftest import client_for, home_of, messages, metric, proxy, tools_of, wait_for
+from tests.proxy.conftest import client_for, home_of, messages, metric, proxy, tools_of
 from tests.proxy.test_failover import MODEL, grew
+from tests.support.waiting import wait_until
 
 TOOLS = tools_of([("tickets", 20), ("refunds", 9)])
 SYSTEM = "You answer support tickets."
@@ -25,7 +26,7 @@ def test_a_stopped_upstream_is_routed_around_before_a_request_meets_it(toolkv_up
         assert ask("first") == 0
         assert metric(live.metrics(), "toolkv_upstream_up", upstream=home.base_url) == 1
         home.stop()
-        assert wait_for(lambda: metric(live.metrics(), "toolkv_upstream_up", upstream=home.base_url) == 0)
+        assert wait_until(lambda: metric(live.metrics(), "toolkv_upstream_up", upstream=home.base_url) == 0)
         before = live.metrics()
         assert ask("second") == 0  # its group compiles on the other upstream: a miss, then hits
         assert ask("third") > 0 and ask("fourth") > 0

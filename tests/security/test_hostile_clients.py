@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import time
 
 import httpx
 import pytest
 
 from gateway.settings import load_settings
 from tests.support.server import serve
+from tests.support.waiting import wait_until
 
 KEYS = ("key-alpha-123", "key-beta-456")
 LONG = {"messages": [{"role": "user", "content": "Count forever"}], "max_tokens": 3000, "temperature": 0}
@@ -37,16 +37,6 @@ def auth(key: str) -> dict[str, str]:
 def requests_counted(live, status: str, stream: str) -> float:
     metric = live.app.state.metrics.requests.labels(status=status, stream=stream)
     return float(metric._value.get())
-
-
-def wait_for(predicate, deadline_s: float = 30.0) -> bool:
-    """Poll a condition the server reaches on its own (like readiness polling)."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def raw_request(live, head: bytes, body: bytes = b"", read_timeout_s: float = 15.0) -> bytes:
@@ -103,7 +93,7 @@ def test_one_key_cannot_hold_more_than_its_quota_and_others_still_get_served(liv
     quota, salt = live.app.state.quota, _salt(live, KEYS[0])
     held = [open_request(live, LONG, KEYS[0]), open_request(live, dict(LONG, stream=True), KEYS[0])]
     try:
-        assert wait_for(lambda: quota.held(salt) == 2)  # one running, one queued behind it
+        assert wait_until(lambda: quota.held(salt) == 2)  # one running, one queued behind it
         third = httpx.post(live.api_url + "/chat/completions", json=HI, headers=auth(KEYS[0]), timeout=60)
         assert third.status_code == 429
         assert third.headers["retry-after"]
@@ -113,7 +103,7 @@ def test_one_key_cannot_hold_more_than_its_quota_and_others_still_get_served(liv
             sock.close()
     other = httpx.post(live.api_url + "/chat/completions", json=HI, headers=auth(KEYS[1]), timeout=120)
     assert other.status_code == 200
-    assert wait_for(lambda: quota.held(salt) == 0)
+    assert wait_until(lambda: quota.held(salt) == 0)
     again = httpx.post(live.api_url + "/chat/completions", json=HI, headers=auth(KEYS[0]), timeout=120)
     assert again.status_code == 200
 
@@ -132,8 +122,8 @@ def test_a_non_streaming_client_that_hangs_up_cancels_its_generation(live, caplo
     caplog.set_level(logging.INFO, logger="gateway.serving.service")  # the server logs the 499 after the hang-up
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.api_url + "/chat/completions", json=LONG, headers=auth(KEYS[0]), timeout=1.5)
-    assert wait_for(lambda: requests_counted(live, "499", "false") == hangups_before + 1)
-    assert wait_for(lambda: engine.num_cancelled == cancelled_before + 1)
+    assert wait_until(lambda: requests_counted(live, "499", "false") == hangups_before + 1)
+    assert wait_until(lambda: engine.num_cancelled == cancelled_before + 1)
     assert requests_counted(live, "200", "false") == ok_before  # not logged or counted as a success
     statuses = [r.toolkv.get("status") for r in caplog.records if hasattr(r, "toolkv")]
     assert "499" in statuses and "200" not in statuses
@@ -146,7 +136,7 @@ def test_a_streaming_client_that_hangs_up_is_counted_as_499(live):
     with httpx.stream("POST", live.api_url + "/chat/completions", json=dict(LONG, stream=True),
                       headers=auth(KEYS[0]), timeout=60) as resp:
         next(line for line in resp.iter_lines() if line.startswith("data: "))
-    assert wait_for(lambda: requests_counted(live, "499", "true") == before + 1)
+    assert wait_until(lambda: requests_counted(live, "499", "true") == before + 1)
 
 
 def test_an_unexpected_error_is_a_counted_500_logged_with_its_request_id(live, caplog):

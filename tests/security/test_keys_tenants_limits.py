@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import httpx
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from adapters.base import ToolGroup, ToolSpec
 from gateway.settings import load_settings
 from tests.support.server import serve
+from tests.support.waiting import wait_until
 
 KEYS = ("key-alpha-123", "key-beta-456")
 ADMIN = "admin-key-789"
@@ -122,10 +122,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
         assert started.wait(30)
         waiting = threading.Thread(target=chat, args=(live, hi))
         waiting.start()
-        deadline = time.monotonic() + 30
-        while engine.queue_depth < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.queue_depth == 1  # the queue (size 1) is full now
+        assert wait_until(lambda: engine.queue_depth == 1)  # the queue (size 1) is full now
         refused = chat(live, hi)
         assert refused.status_code == 429
         assert refused.headers["retry-after"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from gateway.edge.auth import tenant_salt
 from gateway.serving.service import ChatService
 from gateway.settings import load_settings
 from tests.support.server import serve
+from tests.support.waiting import wait_until
 
 KEY_A, KEY_B = "key-alpha-fairness-1", "key-beta-fairness-2"
 SALT_A, SALT_B = tenant_salt(KEY_A.encode()), tenant_salt(KEY_B.encode())
@@ -68,10 +68,7 @@ class Gate:
 
 def eventually(condition: Callable[[], bool]) -> None:
     """Poll a condition of the server's state (readiness polling: what is awaited is the state)."""
-    end = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < end, "the server never reached the awaited state"
-        time.sleep(0.005)
+    assert wait_until(condition, DEADLINE_S, interval_s=0.005), "the server never reached the awaited state"
 
 
 def big_request(label: str, tools: list[dict[str, Any]]) -> dict[str, Any]:

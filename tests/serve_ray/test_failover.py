@@ -15,9 +15,10 @@ import pytest
 
 from gateway.edge.auth import _salt
 from gateway.serve_ray import engine_name
-from tests.proxy.conftest import metric, wait_for
+from tests.proxy.conftest import metric
 from tests.serve_ray.conftest import ray_fleet, ray_settings
 from tests.serve_ray.test_replicas import SYSTEMS, ask, client_for, home, samples
+from tests.support.waiting import wait_until
 
 pytest.importorskip("ray.serve")
 
@@ -85,7 +86,7 @@ def test_a_killed_replicas_groups_move_to_the_other_replica_then_come_home(fleet
     moved = [s for s in SYSTEMS if home(s, salt) == f"http://{victim}"]
     assert moved and len(moved) < len(SYSTEMS)
     kill_replica(victim)
-    assert wait_for(lambda: not replica_up(fleet_url, victim), deadline_s=60)  # the ingress's watch saw it
+    assert wait_until(lambda: not replica_up(fleet_url, victim), timeout_s=60)  # the ingress's watch saw it
 
     for turn in range(2, 4):  # its groups compile once on the survivor (its own cache dir), then hit there
         for system in SYSTEMS:  # the SDK does not retry (max_retries=0): each must succeed at once
@@ -95,7 +96,7 @@ def test_a_killed_replicas_groups_move_to_the_other_replica_then_come_home(fleet
     assert metric(survivor, "toolkv_upstream_routed_total", upstream=f"http://{engine_name(1)}",
                   route="failover") == 2 * len(moved)
 
-    assert wait_for(lambda: replica_up(fleet_url, victim), deadline_s=240)  # Ray Serve's replacement
+    assert wait_until(lambda: replica_up(fleet_url, victim), timeout_s=240)  # Ray Serve's replacement
     for system in SYSTEMS:  # back home: the replacement loads them from its cache dir's disk tier
         assert ask(client, system, "question 4").usage.prompt_tokens_details.cached_tokens > 0
     fleet = samples(httpx.get(fleet_url + "/metrics", timeout=30).text)

@@ -19,9 +19,10 @@ from gateway.edge.browser_guard import DASHBOARD_CSP
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401  # browser: a fixture
-from tests.proxy.conftest import group_id, metric, wait_for
+from tests.proxy.conftest import group_id, metric
 from tests.serve_ray.conftest import REPLICAS, ray_fleet, ray_settings
 from tests.serve_ray.test_replicas import TOOLS, ask, client_for, replica_metrics, samples
+from tests.support.waiting import wait_until
 
 pytest.importorskip("ray.serve")
 
@@ -212,5 +213,5 @@ def test_clearing_the_cache_empties_every_replica(fleet_url):
     assert all(r["deleted"] >= 1 for r in body["replicas"])  # each held its own group in RAM
     assert body["deleted"] == sum(r["deleted"] for r in body["replicas"])
     assert entries(fleet_url) == []
-    assert wait_for(lambda: stats(fleet_url)["groups"] == [])
+    assert wait_until(lambda: stats(fleet_url)["groups"] == [])
     assert all(row["cache_entries"]["ram"] == 0 for row in stats(fleet_url)["replicas"])

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import pytest
 from tests.serve_ray.conftest import MODEL, REPLICAS, REPO
 from tests.serve_ray.test_replicas import ask, client_for
 from tests.support.server import free_port
+from tests.support.waiting import wait_until
 
 pytest.importorskip("ray.serve")
 psutil = pytest.importorskip("psutil")
@@ -55,12 +55,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def poll(condition: Callable[[], bool], deadline_s: float, alive: subprocess.Popen[bytes], log: Path) -> None:
     """Wait for `condition` (an observable state) while `alive` runs; fail with its log otherwise."""
-    end = time.monotonic() + deadline_s
-    while not condition():
-        if alive.poll() is not None or time.monotonic() > end:
-            tail = log.read_text(errors="replace")[-4000:]
-            pytest.fail(f"{alive.args[:4]} {'exited' if alive.poll() is not None else 'timed out'}:\n{tail}")
-        time.sleep(0.2)
+    if not wait_until(lambda: condition() or alive.poll() is not None, deadline_s, interval_s=0.2) or not condition():
+        tail = log.read_text(errors="replace")[-4000:]
+        pytest.fail(f"{alive.args[:4]} {'exited' if alive.poll() is not None else 'timed out'}:\n{tail}")
 
 
 def stop_tree(proc: subprocess.Popen[bytes], descendants: list[psutil.Process]) -> list[psutil.Process]:

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import APP_NAME, engine_name
-from tests.proxy.conftest import group_id, messages, metric, tools_of, wait_for
+from tests.proxy.conftest import group_id, messages, metric, tools_of
 from tests.serve_ray.conftest import MODEL, REPLICAS
+from tests.support.waiting import wait_until
 
 pytest.importorskip("ray.serve")
 
@@ -148,8 +149,8 @@ def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingres
     del first_lines, second_lines
     assert metric(during, "toolkv_upstream_routed_total", route="spill") == spilled + 1
     assert [metric(during, "toolkv_requests_in_flight", replica=engine_name(i)) for i in range(REPLICAS)] == [1, 1]
-    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
-    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == 2)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == 2)
 
 
 def test_warming_compiles_a_group_on_its_home_replica_only(ingress_url):
@@ -173,7 +174,7 @@ def test_a_client_that_hangs_up_on_a_whole_answer_stops_its_generation_on_the_re
     with socket.create_connection((url.host, url.port), timeout=30) as raw:
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (url.host.encode(), url.port, len(body), body))
-        assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight", replica=engine_name(0))
-                        + metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight", replica=engine_name(1)) == 1)
-    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == before + 1)
-    assert wait_for(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
+        assert wait_until(lambda: sum(metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight",
+                                             replica=engine_name(i)) for i in (0, 1)) == 1)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == before + 1)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from fastapi import FastAPI
 from gateway.api.app import create_app
 from gateway.edge.server import server_config
 from gateway.settings import Settings
+from tests.support.waiting import wait_until
 
 READY_DEADLINE_S = 300.0
 
@@ -38,18 +38,20 @@ class LiveServer:
 
 
 def wait_until_ready(base_url: str, deadline_s: float = READY_DEADLINE_S) -> dict[str, Any]:
-    """Poll /health until the model is loaded (readiness polling, not synchronisation by sleep)."""
-    end = time.monotonic() + deadline_s
+    """Poll /health until the model is loaded (or failed to): its last answer."""
     last: dict[str, Any] = {}
-    while time.monotonic() < end:
+
+    def settled() -> bool:
+        nonlocal last
         try:
             last = httpx.get(base_url + "/health", timeout=5).json()
         except httpx.HTTPError:
             last = {}
-        if last.get("status") in ("ok", "failed"):
-            return last
-        time.sleep(0.1)
-    raise TimeoutError(f"server at {base_url} not ready: {last}")
+        return last.get("status") in ("ok", "failed")
+
+    if not wait_until(settled, deadline_s, interval_s=0.1):
+        raise TimeoutError(f"server at {base_url} not ready: {last}")
+    return last
 
 
 @contextmanager
@@ -78,8 +80,5 @@ def serve(settings: Settings) -> Iterator[LiveServer]:
 
 
 def _wait_started(server: uvicorn.Server) -> None:
-    end = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > end:
-            raise TimeoutError("uvicorn did not start")
-        time.sleep(0.01)
+    if not wait_until(lambda: server.started, 30):
+        raise TimeoutError("uvicorn did not start")
