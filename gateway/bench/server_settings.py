@@ -38,7 +38,7 @@ def server_settings(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # lazy: the engine packages load torch, which nothing else here needs
         from gateway.engine.model_loader import pick_device, pick_dtype
-        from gateway.serving.runtime import engine_plan
+        from gateway.engine.plan import engine_plan
 
         config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
         settings = load_settings(config, {"model": args.model})

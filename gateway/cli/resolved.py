@@ -13,7 +13,7 @@ from gateway.errors import ModelLoadFailed
 from gateway.settings import Settings, SettingsError, describe_chat_template, read_chat_template
 
 if TYPE_CHECKING:
-    from gateway.serving.runtime import EnginePlan
+    from gateway.engine.plan import EnginePlan
 
 
 def check_vllm_flags(settings: Settings) -> None:
@@ -35,8 +35,8 @@ def resolved_values(settings: Settings) -> dict[str, str]:
         return shown
     from gateway.engine.cpu_threads import usable_cpus  # lazy: torch
     from gateway.engine.model_loader import ModelLoadError, pick_device, pick_dtype, resolve_source  # lazy: torch
+    from gateway.engine.plan import engine_plan  # lazy: the engine (torch)
     from gateway.serving.kv_pool_size import describe_default, pool_share  # lazy: torch
-    from gateway.serving.runtime import engine_plan  # lazy: the engine (torch)
 
     device = pick_device(settings.device)
     on = f"default on {device.type}"

@@ -16,32 +16,63 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
-from gateway.engine.cache_manager import KVCacheManager
 from gateway.engine.constraints import Constraint, GrammarLimit
 from gateway.engine.events import CutOff, Failed, Finished, Job, Prefilled
-from gateway.engine.sampling import NonFiniteLogits, Pick, TokenLogprob
+from gateway.engine.sampling import NonFiniteLogits, Pick, Picks, TokenLogprob
+from gateway.engine.scheduler import Scheduler
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import DeviceSpan
 
 log = logging.getLogger("gateway.engine.core")  # the engine's logger, as before this module was split off
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """A step's forward, launched: its decode rows and prompt chunks, the prompts it finishes, and
+    the picks of the rows it samples (chosen on the device, not read yet)."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int, int]]
+    finishing: set[int]  # ids of the prefill sequences whose last chunk this is
+    sampled: list[Sequence]
+    picks: Picks | None
+    forward: DeviceSpan
+    num_tokens: int
+
+
 class OutputProcessor:
-    def __init__(self, running: list[Sequence], cache: KVCacheManager, eos_ids: frozenset[int],
-                 restart: Callable[[Job], None]) -> None:
-        self._running = running  # the engine's running batch, shared: retiring a sequence takes it out
-        self.cache = cache
+    def __init__(self, scheduler: Scheduler, eos_ids: frozenset[int]) -> None:
+        self.scheduler = scheduler  # the batch's owner: a sequence that is done leaves it there
+        self.cache = scheduler.cache
         self.eos_ids = eos_ids
-        self._restart = restart  # admit a job again, its group computed privately (Engine._readmit)
         self.constrained_tokens = 0
         self.constraint_s = 0.0
         self.forced_tokens = 0  # tokens a grammar forced (taken without a choice)
         self.chunk_forced = True  # forced tokens go to the model as one chunk (False: a step each)
 
     # ---- a step's rows -----------------------------------------------------------------------
+
+    def update(self, out: StepOutput) -> None:
+        """What the step's output does: the chunks are computed (a group's last one stores it), then
+        the picks are read; a prompt's last chunk takes its first token, a decode row its next."""
+        for seq, _, end in out.prefill:
+            self.chunk_done(seq, end, out.forward)
+        read = out.picks.read() if out.picks is not None else []
+        picked = dict(zip((id(seq) for seq in out.sampled), read, strict=True))
+        for seq, _, _ in out.prefill:
+            if id(seq) in out.finishing and id(seq) in picked:
+                self.prompt_done(seq, picked[id(seq)])
+        for seq in out.decode:
+            if id(seq) in picked:
+                self.take_picked(seq, picked[id(seq)])
+
+    def refuse(self, refused: list[tuple[Job, Exception]]) -> None:
+        """Jobs admission refused (their placement raised): each client hears why."""
+        for job, exc in refused:
+            self.fail_job(job, exc)
 
     def prepare_masks(self, seqs: list[Sequence]) -> list[Sequence]:
         """Compute the grammar masks of the rows about to be sampled (on the CPU: the engine calls
@@ -127,8 +158,7 @@ class OutputProcessor:
 
     def _recompute(self, seq: Sequence) -> None:
         """Start `seq` again, computing its group privately (its cached copy was bad)."""
-        self.retire(seq)
-        self._restart(seq.job)
+        self.scheduler.restart(seq)
 
     def _take(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """`token` is the next token of `seq`, chosen from its logits: taken, then the tokens its
@@ -204,15 +234,8 @@ class OutputProcessor:
     # ---- leaving the batch -------------------------------------------------------------------
 
     def retire(self, seq: Sequence, keep_turn: bool = False) -> None:
-        """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
-        (after the group) as a conversation record first."""
-        if seq not in self._running:
-            return  # retired already (a row that failed after it finished): its blocks went back once
-        if keep_turn:
-            self.cache.keep_turn(seq)
-        self._running.remove(seq)
-        self.cache.retire(seq)
-        seq.release()
+        """Take `seq` out of the batch and give its blocks back (scheduler.py `retire`)."""
+        self.scheduler.retire(seq, keep_turn)
 
     def fail(self, seq: Sequence, exc: Exception) -> None:
         self.retire(seq)  # before the event, as for a finish

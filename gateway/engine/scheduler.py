@@ -1,133 +1,219 @@
-"""The scheduler: what one step of the loop computes.
+"""The scheduler: the one owner of the batch. It holds the jobs taken off the intake that are not
+running yet (`waiting`), the sequences paused for another tenant's share (`paused`) and the
+sequences running (`running`); nothing else adds to or takes from these lists. Each step it
+answers one question, `schedule()`: which jobs it admitted (their blocks placed by the cache
+manager), which it refused, and what the step computes (step_planner.py). A sequence leaves the
+batch through `retire` (finished, failed, cancelled) or `restart` (its cached group was bad).
 
-Every decoding sequence advances by one token, all in one batched forward pass. Prompts are
-prefilled in chunks (cut by the prompt's tokens alone, see engine/chunks.py), at
-most `chunk_tokens` prompt tokens a step beside the decodes, shortest remaining prompt first: a
-hit's short suffix goes ahead of a long tool-group compile, and every step still advances the
-decodes, so nobody waits for a compile to finish.
+Admission is fair between tenants: a free batch slot goes to the waiting job of the tenant with
+the fewest sequences running, counting the jobs admitted before it in the same pass (ties: the
+oldest job), so one key's backlog delays another key's request by one slot, not by the whole
+backlog.
 
-Between tenants it is fair (deficit round robin). When two or more tenants have work, each step
-gives every tenant the same quantum: the cost of what the tenant with the least work would run
-alone, so that one runs as if alone and a step costs about `tenants` times as much; a tenant with
-more work takes its items (least recently run first) while its credit lasts and carries the rest
-of its credit to the next step, so its larger items (a long chunk) still come. Costs are in prompt
-tokens (`cost`). Without batch invariance every token of a step is in one product: a chunk costs
-its tokens, and decode rows so little that all go in every step, uncharged; only the prefill is
-shared.
+Fair slots: while another tenant waits, no tenant holds more than its share of the batch,
+`max_batch // tenants` (tenants: those with work running, waiting or paused; one slot at least).
+A tenant below its share whose work finds the batch full takes the slot of the youngest decoding
+sequence of the tenant furthest above its share. That sequence is paused, not dropped: it keeps
+its KV blocks, sampler and text, leaves the batch and resumes where it stopped when a slot is free
+and it is its tenant's turn (a tenant's paused sequences before its waiting jobs: they are older).
+So a key with many long generations delays another key's request by a step, never by a
+generation, and no work is lost or done twice. Chosen over a cap on each tenant's running
+sequences at admission: a cap cannot know that a second tenant will come, so it either leaves
+slots idle while one tenant is alone or still makes a newcomer wait for a generation to end. What
+pausing does not give: a paused sequence keeps its blocks, so a newcomer that does not fit the
+pool waits (HOLD) as before; only decoding sequences are paused (a prompt may be compiling a group
+others wait for); and with fewer slots than tenants (`max_batch` 1) a tenant keeps its slot until
+its row ends. Pauses are counted (`num_paused`: `vllm:num_preemptions_total`);
+tests/engine/test_fair_slots.py pins the order.
+
+Engine thread only; `num_waiting` may be read from any thread (a snapshot).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable
 
+from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
+from gateway.engine.events import Job
 from gateway.engine.sequence import Phase, Sequence
+from gateway.engine.step_planner import StepPlan, StepPlanner
 
-# With batch-invariant linears (model_runner.py) a prompt chunk is a matrix product and a fused
-# attention of its own, while the decode rows share one batched matrix-vector product. Measured on
-# the CPU with the default model: a decode row added ~24 ms to a step, a chunk ~100 ms and under
-# 0.5 ms a token; so, in tokens, a row costs 48 and a chunk 200 more than its tokens.
-INVARIANT_ROW_COST = 48
-INVARIANT_CHUNK_COST = 200
-
-
-@dataclass(slots=True)
-class StepPlan:
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # sequence, [start, end)
-
-    def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(end - start for _, start, end in self.prefill)
+SequenceMaker = Callable[[Job, Placement], Sequence]  # an admitted job's sequence (Sequence.admitted)
 
 
 class Scheduler:
-    def __init__(self, chunk_tokens: int, batch_invariant: bool = False) -> None:
-        self.chunk_tokens = chunk_tokens
-        self.rows_shared = batch_invariant  # decode rows are shared out between tenants too
-        self.row_cost = INVARIANT_ROW_COST if batch_invariant else 0
-        self.chunk_cost = INVARIANT_CHUNK_COST if batch_invariant else 0
-        self._credit: dict[str, int] = {}  # tenant -> cost it may still spend (fair steps only)
-        self._steps = 0
+    def __init__(self, cache: KVCacheManager, make_sequence: SequenceMaker, *, max_batch: int,
+                 chunk_tokens: int, batch_invariant: bool = False) -> None:
+        self.cache = cache
+        self.make_sequence = make_sequence
+        self.max_batch = max_batch
+        self.planner = StepPlanner(chunk_tokens, batch_invariant)
+        self.waiting: list[Job] = []  # taken off the intake, not admitted yet, oldest first
+        self.paused: list[Sequence] = []  # out of the batch for another tenant's share, oldest first
+        self.running: list[Sequence] = []
+        self.num_paused = 0  # sequences paused since start (the engine's preemptions)
+        self.num_cancelled = 0  # sequences stopped because their client went away
 
-    def plan(self, running: list[Sequence]) -> StepPlan:
-        self._steps += 1
-        tenants: dict[str, list[Sequence]] = defaultdict(list)
-        for seq in running:
-            if self.rows_shared or seq.phase is not Phase.DECODE:  # what the fair share counts
-                tenants[seq.job.tenant].append(seq)
-        if len(tenants) < 2:
-            self._credit.clear()
-            plan = self._alone(running)
+    @property
+    def chunk_tokens(self) -> int:
+        return self.planner.chunk_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.paused)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running or paused (jobs may wait for blocks)."""
+        return not self.running and not self.paused
+
+    def add(self, job: Job) -> None:
+        if not job.cancelled.is_set():
+            self.waiting.append(job)
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Drop what was cancelled (its blocks free at once), admit what fits, fairest first, and
+        plan the step over the batch."""
+        self._drop_cancelled()
+        refused = self.admit()
+        plan = self.planner.plan(self.running)
+        plan.refused = refused
+        return plan
+
+    def admit(self) -> list[tuple[Job, Exception]]:
+        """Admit waiting jobs and resume paused sequences, fairest first, while fewer than
+        `max_batch` run, or by pausing a sequence of a tenant above its share (module doc). The
+        jobs whose placement raised, with why: they are no longer waiting."""
+        refused: list[tuple[Job, Exception]] = []
+        for item in self.admission_order():
+            victim = None
+            if len(self.running) >= self.max_batch:
+                victim = self._victim(_tenant(item))
+                if victim is None:
+                    continue
+            if not isinstance(item, Job):  # a paused sequence
+                self.paused.remove(item)
+                self.running.append(item)
+            elif not self._admit_job(item, refused):
+                continue
+            if victim is not None:
+                self._pause(victim)
+        return refused
+
+    def admission_order(self) -> list[Job | Sequence]:
+        """The paused sequences and waiting jobs, fairest first: round robin over tenants, fewest
+        running first; a tenant's paused sequences before its waiting jobs."""
+        turns = Counter(seq.job.tenant for seq in self.running)
+        ranked = []
+        for index, item in enumerate(self._queued()):
+            ranked.append((turns[_tenant(item)], index, item))
+            turns[_tenant(item)] += 1
+        return [item for _, _, item in sorted(ranked, key=lambda r: r[:2])]
+
+    def waiting_turn(self) -> bool:
+        """Whether something waiting could run now: a free slot for waiting or paused work, or a
+        tenant below its share while another is above it (no step is launched ahead then)."""
+        tenants = {_tenant(item) for item in self._queued()}
+        if tenants and len(self.running) < self.max_batch:
+            return True
+        return any(self._victim(tenant) is not None for tenant in tenants)
+
+    # ---- leaving the batch -------------------------------------------------------------------
+
+    def retire(self, seq: Sequence, keep_turn: bool = False) -> None:
+        """Take `seq` out of the batch and give its blocks back; `keep_turn`: keep its prompt's KV
+        (after the group) as a conversation record first."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.paused:
+            self.paused.remove(seq)
         else:
-            plan = self._shared(tenants)
-            if not self.rows_shared:
-                plan.decode = [s for s in running if s.phase is Phase.DECODE]
-        for seq in (*plan.decode, *(seq for seq, _, _ in plan.prefill)):
-            seq.last_step = self._steps
-        return plan
+            return  # retired already (a row that failed after it finished): its blocks went back once
+        if keep_turn:
+            self.cache.keep_turn(seq)
+        self.cache.retire(seq)
+        seq.release()
 
-    def _alone(self, running: list[Sequence]) -> StepPlan:
-        """Every decode row, and prompt chunks shortest remaining first within the token budget."""
-        plan = StepPlan(decode=[s for s in running if s.phase is Phase.DECODE])
-        budget = self.chunk_tokens
-        for seq in sorted((s for s in running if s.phase is not Phase.DECODE), key=lambda s: s.remaining_prefill):
-            start, end = seq.next_chunk()
-            if plan.prefill and end - start > budget:
-                break
-            plan.prefill.append((seq, start, end))
-            budget -= end - start
-            if budget <= 0:
-                break
-        return plan
+    def restart(self, seq: Sequence) -> None:
+        """Start `seq`'s job again, its group computed privately (its cached copy was bad); ahead of
+        every other job when it does not fit now."""
+        self.retire(seq)
+        again = self._place(seq.job, recompute=True)
+        if again is HOLD:
+            self.waiting.insert(0, seq.job)
+        elif again is not None:
+            self.running.append(again)
 
-    def _shared(self, tenants: dict[str, list[Sequence]]) -> StepPlan:
-        """Each tenant's quantum of work; the tenant owed the most goes first."""
-        for gone in self._credit.keys() - tenants.keys():
-            del self._credit[gone]
-        quantum = min(self._cost(self._alone(seqs)) for seqs in tenants.values())
-        for tenant in tenants:
-            self._credit[tenant] = self._credit.get(tenant, 0) + quantum
-        plan = StepPlan()
-        owed = sorted(tenants, key=lambda t: -self._credit[t])
-        for tenant in owed:
-            if self._take(plan, tenants[tenant], tenant):
-                self._credit[tenant] = 0  # nothing left waiting: no credit is banked
-        if not plan:  # no tenant's next item fits its credit yet: the one owed most runs it on credit
-            self._take(plan, tenants[owed[0]], owed[0], debt=True)
-        return plan
+    def resume_all(self) -> None:
+        """Every paused sequence back in the batch (the engine stops, or cuts every generation off)."""
+        self.running.extend(self.paused)
+        self.paused.clear()
 
-    def _take(self, plan: StepPlan, seqs: list[Sequence], tenant: str, debt: bool = False) -> bool:
-        """Add `seqs`' items in turn while the tenant's credit and the step's token budget last
-        (`debt`: the first one whatever it costs); True when all of them went."""
-        budget = self.chunk_tokens - sum(end - start for _, start, end in plan.prefill)
-        for seq in sorted(seqs, key=_turn):
-            if seq.phase is Phase.DECODE:
-                cost = self.row_cost
-            else:
-                start, end = seq.next_chunk()
-                if plan.prefill and end - start > budget:
-                    return False
-                cost = self.chunk_cost + end - start
-            if cost > self._credit[tenant] and not (debt and not plan):
-                return False
-            self._credit[tenant] -= cost
-            if seq.phase is Phase.DECODE:
-                plan.decode.append(seq)
-            else:
-                plan.prefill.append((seq, start, end))
-                budget -= end - start
+    # ---- inside ------------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        self.waiting[:] = [job for job in self.waiting if not job.cancelled.is_set()]
+        for seq in [s for s in (*self.running, *self.paused) if s.job.cancelled.is_set()]:
+            self.num_cancelled += 1
+            self.retire(seq)
+
+    def _place(self, job: Job, recompute: bool = False) -> Sequence | Hold | None:
+        """A sequence for `job` with all its blocks, HOLD (not now), or None (nothing to run)."""
+        placement = self.cache.admit(job, recompute)
+        if placement is HOLD or placement is None:
+            return placement
+        seq = self.make_sequence(job, placement)
+        if seq.phase is Phase.GROUP:
+            self.cache.start_compiling(seq)
+        return seq
+
+    def _admit_job(self, job: Job, refused: list[tuple[Job, Exception]]) -> bool:
+        """Whether `job` took a slot (or was refused, or had nothing to run: it no longer waits)."""
+        try:
+            seq = self._place(job)
+        except Exception as exc:
+            self.waiting.remove(job)
+            refused.append((job, exc))
+            return False
+        if seq is HOLD:
+            return False
+        self.waiting.remove(job)
+        if seq is None:
+            return False
+        self.running.append(seq)
         return True
 
-    def _cost(self, plan: StepPlan) -> int:
-        """What `plan` costs, in prompt tokens: a chunk its tokens and `chunk_cost`, a row `row_cost`."""
-        chunks = sum(self.chunk_cost + end - start for _, start, end in plan.prefill)
-        return chunks + len(plan.decode) * self.row_cost
+    def _queued(self) -> list[Job | Sequence]:
+        return [*self.paused, *self.waiting]
+
+    def _share(self) -> int:
+        """Each tenant's share of the batch: its slots over the tenants with work."""
+        tenants = {seq.job.tenant for seq in self.running} | {_tenant(item) for item in self._queued()}
+        return max(1, self.max_batch // max(1, len(tenants)))
+
+    def _victim(self, tenant: str) -> Sequence | None:
+        """The sequence to pause so that `tenant` gets a slot of a full batch: the youngest decoding
+        one of the tenant furthest above its share that has one; None when `tenant` has its share
+        already, or no tenant above its share is decoding."""
+        counts = Counter(seq.job.tenant for seq in self.running)
+        share = self._share()
+        if counts[tenant] >= share:
+            return None
+        for over in (t for t, count in counts.most_common() if count > share):
+            decoding = [seq for seq in self.running if seq.job.tenant == over and seq.phase is Phase.DECODE]
+            if decoding:
+                return max(decoding, key=lambda seq: seq.job.submitted)
+        return None
+
+    def _pause(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.paused.append(seq)
+        self.paused.sort(key=lambda s: s.job.submitted)
+        self.num_paused += 1
 
 
-def _turn(seq: Sequence) -> tuple[int, bool, int]:
-    """A tenant's items, least recently run first; then decode rows, then the shortest prompt."""
-    return seq.last_step, seq.phase is not Phase.DECODE, seq.remaining_prefill
+def _tenant(item: Job | Sequence) -> str:
+    return item.tenant if isinstance(item, Job) else item.job.tenant

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import anyio
-import torch
 
 from adapters.families import ADAPTER_VERSION, detect_family, get_family
 from adapters.render import PromptRenderer
 from adapters.toolcalls.vllm_names import adapter_for
-from gateway.engine import Engine, QueueFull, attention, models
+from gateway.engine import Engine, QueueFull
 from gateway.engine.cpu_threads import ThreadGovernor, usable_cpus
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
-from gateway.engine.model_runner import Backend
+from gateway.engine.plan import engine_plan
 from gateway.engine.stats import Snapshot, take_snapshot
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
@@ -163,13 +163,8 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
                          f"block of {settings.kv_block_tokens} tokens of this model takes {format_size(block_bytes)}")
     # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py).
     opening = turn_opening(tokenizer, PromptRenderer(tokenizer, family).template)
-    engine = Engine(loaded.model, tokenizer, info, store, min_prefix_tokens=settings.min_prefix_tokens,
-                    max_queue=settings.max_queue, device=loaded.device, pool_bytes=pool.num_bytes,
-                    block_tokens=settings.kv_block_tokens, chunk_tokens=plan.chunk_tokens,
-                    max_batch=plan.max_batch, turn_opening=opening,
-                    conversation_reuse=settings.conversation_reuse == "on", backend=plan.backend,
-                    batch_invariant=plan.batch_invariant, graph_tokens=plan.graph_tokens, fused=plan.fused,
-                    overlap=plan.overlap, threads=_thread_governor(settings, loaded))
+    plan = dataclasses.replace(plan, pool_bytes=pool.num_bytes, turn_opening=opening)
+    engine = Engine(loaded.model, tokenizer, info, store, plan, threads=_thread_governor(settings, loaded))
     service = ChatService(engine, info, tokenizer, family, loaded.source.served_name, context_len, metrics,
                           cache_enabled=settings.cache_enabled, default_max_tokens=settings.default_max_tokens,
                           max_string_chars=settings.max_string_chars,
@@ -190,48 +185,11 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     return Runtime(loaded, engine, service, store, metrics)
 
 
-@dataclass(frozen=True, slots=True)
-class EnginePlan:
-    """The engine's device-dependent settings, resolved."""
-
-    backend: Backend
-    batch_invariant: bool
-    chunk_tokens: int
-    max_batch: int
-    fused: bool = False
-    overlap: bool = False  # decode steps launched one ahead (engine/core.py `_decode_ahead`)
-    graph_tokens: int | None = None  # CUDA graphs, of chunk steps up to this many tokens (None: none)
-
-    @property
-    def kernels(self) -> str:
-        """What decides the KV bits besides the model and the chunks, for the cache key (a chunk
-        replayed from a graph runs its products over its bucket's rows)."""
-        graphs = f"-graphs{self.graph_tokens}" if self.graph_tokens else ""
-        return f"{self.backend}{'-owned' if self.fused else ''}{'-invariant' if self.batch_invariant else ''}{graphs}"
-
-
-def engine_plan(settings: Settings, device: torch.device, model: Any = None) -> EnginePlan:
-    """`model`: the loaded model, which decides whether its layers can be fused (None: whether the
-    settings ask for it)."""
-    gpu = device.type == "cuda"
-    backend: Backend = "torch"
-    if settings.attention_backend == "triton" or (settings.attention_backend == "auto" and gpu):
-        if attention.available(device):
-            backend = "triton"
-        elif settings.attention_backend == "triton":
-            raise ModelLoadFailed("attention_backend = triton needs CUDA and Triton (pip install triton)")
-    invariant = settings.batch_invariant if settings.batch_invariant is not None else not gpu
-    fused = settings.fused_layers and (model is None or models.supports(model))
-    overlap = settings.decode_overlap if settings.decode_overlap is not None else gpu
-    graphs = settings.cuda_graph_max_tokens if settings.cuda_graphs and backend == "triton" and gpu else None
-    return EnginePlan(backend, invariant, settings.prefill_chunk_tokens or (2048 if gpu else 128),
-                      settings.max_batch or (64 if gpu else 8), fused, overlap, graphs)
-
-
 def _thread_governor(settings: Settings, loaded: LoadedModel) -> ThreadGovernor | None:
-    """On the CPU with `adaptive_threads` (the default), torch's threads follow the cores other work
-    leaves (engine/cpu_threads.py), unless `num_threads` fixes them. The engine adapts them only on
-    its own model, whose products and attention it runs at shapes that round alike on any count."""
+    """On the CPU with `adaptive_threads`, torch's threads follow the cores other work leaves
+    (engine/cpu_threads.py), unless `num_threads` fixes them. Off by default: a thread count that
+    changes between a hit and its bypass can change a product's last bits (5- and 7-row products,
+    short chunks' attention), and cached output must equal uncached output."""
     if loaded.device.type != "cpu" or settings.num_threads is not None or not settings.adaptive_threads:
         return None
     return ThreadGovernor(usable_cpus())

@@ -194,8 +194,8 @@ def test_a_fault_in_the_step_loop_fails_the_running_requests_and_the_engine_serv
     request = body(merchant_tools[:3], "hi", max_tokens=3)
     expected = generate(runtime, request).finished
     held = not_kept(runtime)
-    scheduler = runtime.engine.scheduler
-    plan = scheduler.plan
+    planner = runtime.engine.scheduler.planner
+    plan = planner.plan
 
     def faulty(running: Any) -> Any:
         if any(seq.generated == 2 for seq in running):
@@ -203,7 +203,7 @@ def test_a_fault_in_the_step_loop_fails_the_running_requests_and_the_engine_serv
             raise RuntimeError("a bug")
         return plan(running)
 
-    monkeypatch.setattr(scheduler, "plan", faulty)
+    monkeypatch.setattr(planner, "plan", faulty)
 
     async def main() -> list[Any]:
         prepared = runtime.service.prepare(ChatCompletionRequest.model_validate(request))

@@ -1,4 +1,4 @@
-"""Decode steps launched one ahead (`decode_overlap`, engine/core.py `_decode_ahead`): the tokens
+"""Decode steps launched one ahead (`decode_overlap`, engine/decode_ahead.py): the tokens
 of plain steps, requests that arrive or leave during a run of them served as before, and no KV of
 a step computed past a sequence's end ever read. On the CPU a launch is the whole step, so the
 setting is off by default there; these tests turn it on."""
@@ -150,14 +150,14 @@ def test_steps_are_launched_ahead_while_jobs_wait_for_a_full_batch(runtime_for, 
     batch = [plain(tools, f"Question {i}?", 12 + 5 * i) for i in range(5)]
     expected = [generate(runtime, r).finished for r in batch]
     engine = runtime.engine
-    launch, waiting = engine._launch, []
+    launch, waiting = engine.ahead._launch, []
 
     def recording(seqs: Any, after: Any, rows: Any = None) -> Any:
         if after is not None:
-            waiting.append(engine._intake.depth)
+            waiting.append(engine.queue_depth)
         return launch(seqs, after, rows)
 
-    engine._launch = recording  # type: ignore[method-assign]
+    engine.ahead._launch = recording  # type: ignore[method-assign]
     assert [run.finished for run in run_together(runtime, [(r, False) for r in batch])] == expected
     assert max(waiting) > 0  # launched ahead with jobs in the intake
 
