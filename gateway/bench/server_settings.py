@@ -26,7 +26,9 @@ def engine_of(version: Any) -> dict[str, Any]:
     backend = (f"{engine.get('backend')}{', fused layers' if engine.get('fused_layers') else ''}"
                f"{', batch invariant' if engine.get('batch_invariant') else ''}{graphs}"
                f"{', decode steps launched ahead' if engine.get('decode_overlap') else ''}")
-    return {"device": engine.get("device"), "dtype": engine.get("dtype"), "backend": backend}
+    quantization = engine.get("quantization")  # bitsandbytes' nf4 or int8 weights, said beside the dtype
+    dtype = engine.get("dtype") if quantization in (None, "none") else f"{engine.get('dtype')}, {quantization} weights"
+    return {"device": engine.get("device"), "dtype": dtype, "backend": backend}
 
 
 def server_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Find, load and fingerprint the model: the embedded SmolLM2 GGUF, a local HF directory or
-.gguf file, or a hub id. Device auto (CUDA when present), dtype from settings, 4-bit on CUDA."""
+.gguf file, or a hub id. Device auto (CUDA when present), dtype from settings, weights quantized
+by bitsandbytes (nf4 or int8, on CUDA or the CPU) when `quantization` says."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -26,6 +28,7 @@ FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _FULL_HASH_MAX_BYTES = 256 * 1024**2
 _EDGE_BYTES = 16 * 1024**2
+_BNB_MIN = (0, 50)  # the operators the owned model calls, on the CPU too (0.50.2 tested)
 
 
 class ModelLoadError(RuntimeError):
@@ -50,6 +53,7 @@ class LoadedModel:
     fingerprint: str
     tokenizer_fingerprint: str
     load_s: float
+    quantization: str = "none"  # the weights' bitsandbytes quantization: "none", "nf4" or "int8"
 
     @property
     def context_len(self) -> int:
@@ -114,10 +118,11 @@ def load_model(settings: Settings) -> LoadedModel:
         # for a 36-token suffix over a 3,000-token SmolLM2 prefix. CPU SDPA takes the mask and the
         # grouped heads natively, with the same values. An explicit setting is kept.
         os.environ.setdefault(FORCE_GQA_ENV, "1")
-    if source.gguf_file and source.local and settings.quantization == "none":
-        model, tokenizer = _load_gguf(source, settings, dtype)
+    quantization = _quantization_kwargs(settings, device, dtype)
+    if source.gguf_file and source.local:
+        model, tokenizer = _load_gguf(source, settings, dtype, quantization)
     else:
-        model, tokenizer = _load_pretrained(source, settings, dtype, _quantization_kwargs(settings, device, dtype))
+        model, tokenizer = _load_pretrained(source, settings, dtype, quantization)
     if settings.chat_template:  # vLLM's --chat-template; the tokenizer's fingerprint (cache key) holds it
         try:
             tokenizer.chat_template = read_chat_template(settings.chat_template)
@@ -130,7 +135,7 @@ def load_model(settings: Settings) -> LoadedModel:
         model=model, tokenizer=tokenizer, source=source, device=device, dtype=dtype,
         fingerprint=model_fingerprint(source, settings, dtype, device, model),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        load_s=time.perf_counter() - started,
+        load_s=time.perf_counter() - started, quantization=settings.quantization,
     )
 
 
@@ -151,9 +156,11 @@ def _load_pretrained(source: ModelSource, settings: Settings, dtype: torch.dtype
     return model, tokenizer
 
 
-def _load_gguf(source: ModelSource, settings: Settings, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load_gguf(source: ModelSource, settings: Settings, dtype: torch.dtype,
+               quantization: dict[str, Any]) -> tuple[Any, Any]:
     """A local GGUF through its converted copy (gguf_copy.py): read when one is whole, else the GGUF
-    converted and the copy written for the next start."""
+    converted and the copy written for the next start. Quantized (`quantization`, transformers'
+    keywords) from the copy: a GGUF's own quantized blocks are de-quantized by the conversion."""
     assert source.gguf_file is not None
     key = CopyKey(source.gguf_file, file_digest(Path(source.location) / source.gguf_file), str(dtype),
                   _transformers_version())
@@ -161,25 +168,55 @@ def _load_gguf(source: ModelSource, settings: Settings, dtype: torch.dtype) -> t
     copy = find_copy(root, key)
     if copy is not None:
         try:
-            return _load_pretrained(source, settings, dtype, {}, location=str(copy))
+            return _load_pretrained(source, settings, dtype, quantization, location=str(copy))
         except Exception as exc:  # a copy is only a faster start: whatever is wrong with it, convert again
             log.warning("cannot load the converted copy at %s (%s); converting the GGUF again", copy, exc)
             remove_copy(copy)
     log.info("converting %s (once: its weights are kept in %s for the next start)", source.gguf_file, root)
     model, tokenizer = _load_pretrained(source, settings, dtype, {})
-    write_copy(root, key, model, tokenizer)
+    path = write_copy(root, key, model, tokenizer)
+    if quantization:  # transformers quantizes what it reads: the copy
+        if path is None:
+            raise ModelLoadError(f"quantizing {source.gguf_file} needs its converted copy, which could not be "
+                                 f"written in {root}; free space there or set quantization = 'none'")
+        return _load_pretrained(source, settings, dtype, quantization, location=str(path))
     return model, tokenizer
 
 
 def _quantization_kwargs(settings: Settings, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """transformers' keywords that quantize the weights as `settings.quantization` says: nf4 (4-bit
+    NormalFloat, blocks of 64, no double quantization) or int8 (LLM.int8 with threshold 0: no
+    outlier columns, so every product is an int8 one). The LM head and embedding stay in `dtype`.
+    The owned model runs both (models/quantized.py)."""
     if settings.quantization == "none":
         return {}
-    if device.type != "cuda":
-        raise ModelLoadError("quantization '4bit' needs CUDA (bitsandbytes); set quantization = 'none'")
+    bnb_version = bitsandbytes_version()
+    if bnb_version is None:
+        raise ModelLoadError(f"quantization {settings.quantization!r} needs bitsandbytes: "
+                             "pip install 'toolkv[quant]' (or set quantization = 'none')")
+    if device.type not in ("cuda", "cpu"):
+        raise ModelLoadError(f"quantization {settings.quantization!r} runs on CUDA or the CPU, not on "
+                             f"{device.type!r}; set quantization = 'none' or device = 'cpu'")
+    if tuple(int(part) for part in bnb_version.split(".")[:2]) < _BNB_MIN:
+        raise ModelLoadError(f"quantization {settings.quantization!r} needs bitsandbytes >= "
+                             f"{'.'.join(map(str, _BNB_MIN))} (its CPU operators), found {bnb_version}")
     from transformers import BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
-    return {"quantization_config": config, "device_map": {"": device.index or 0}}
+    if settings.quantization == "nf4":
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                    bnb_4bit_use_double_quant=False)
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    place = device.index or 0 if device.type == "cuda" else "cpu"
+    return {"quantization_config": config, "device_map": {"": place}}
+
+
+def bitsandbytes_version() -> str | None:
+    """The installed bitsandbytes' version (None: not installed), without importing it."""
+    try:
+        return importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def model_fingerprint(
@@ -197,6 +234,8 @@ def model_fingerprint(
         "transformers": _transformers_version(),
         "sdpa_gqa": os.environ.get(FORCE_GQA_ENV, "0"),  # the attention kernel path
     }
+    if settings.quantization != "none":  # its kernels round as they do (kept out of float keys: no cache change)
+        parts["bitsandbytes"] = bitsandbytes_version()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -83,6 +83,7 @@ class Runtime:
         """What the engine runs on, for `/version` (a bench or an operator reads it from there)."""
         runner = self.engine.runner
         return {"device": str(self.loaded.device), "dtype": str(self.loaded.dtype).removeprefix("torch."),
+                "quantization": self.loaded.quantization,  # "none", "nf4" or "int8" (bitsandbytes)
                 "backend": runner.backend, "batch_invariant": runner.batch_invariant,
                 "fused_layers": runner.model.kind == "owned", "cuda_graphs": runner.graphs is not None,
                 "model_impl": runner.model.kind,  # "owned", or "transformers" (the eager fallback)

@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the model's weights and activations (auto: float32 on the CPU, bfloat16 on CUDA, "
                             "float16 where CUDA has no bfloat16)")
-    quantization: Literal["none", "4bit"] = Field("none", description="4bit: weights in 4 bits (CUDA, bitsandbytes)")
+    quantization: Literal["none", "nf4", "int8"] = Field("none", description="weights quantized by bitsandbytes "
+                                                         "(CUDA or the CPU): nf4 in 4 bits, int8 in 8 bits")
     adapter: Literal["auto", "chatml", "llama3", "mistral"] = Field(
         "auto", description="the chat template family for tool calls (auto: detected from the model)")
     tool_call_parser: Annotated[str | None, Cli(metavar="NAME")] = Field(

@@ -7,7 +7,8 @@ tensors become views into the fused ones (no memory added; the transformers mode
 the tests' reference). The family differences are data: Qwen3's q/k norms, Qwen2's q/k/v bias
 (any linear's bias is kept), tied embeddings (the head is the embedding's tensor), RoPE's
 frequencies and scale from the checkpoint's `rope_type` (default, linear, llama3, yarn: tables
-fixed at load), Mistral's and Qwen's sliding windows per layer.
+fixed at load), Mistral's and Qwen's sliding windows per layer. Weights quantized by bitsandbytes
+(nf4 or int8) are fused and called the same way (models/quantized.py).
 
 A layer, as nano-vllm's: `add_rms_norm` (the residual add of the layer before fused in), the qkv
 product, attention (q/k norm, RoPE, KV write and paged attention), the o product, `add_rms_norm`,
@@ -27,7 +28,9 @@ from torch import nn
 
 from gateway.engine.attention import DecodeScratch, HeadShape
 from gateway.engine.model_runner import Backend, StepInputs
+from gateway.engine.models import quantized
 from gateway.engine.models.layers import PagedAttention, elementwise, project
+from gateway.engine.models.quantized import Int8Linear, Nf4Linear
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # inverse frequencies fixed at load
@@ -44,11 +47,21 @@ def unsupported(model: Any) -> str | None:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     for layer in model.model.layers:
-        linears = [*_linears(layer.self_attn, "q_proj", "k_proj", "v_proj", "o_proj"),
-                   *_linears(layer.mlp, "gate_proj", "up_proj", "down_proj")]
-        if any(type(linear) is not nn.Linear for linear in linears):
-            return "its linear layers are not plain (quantized) layers"
+        qkv = _linears(layer.self_attn, "q_proj", "k_proj", "v_proj")
+        gate_up = _linears(layer.mlp, "gate_proj", "up_proj")
+        linears = [*qkv, *gate_up, *_linears(layer.self_attn, "o_proj"), *_linears(layer.mlp, "down_proj")]
+        kinds = {quantized.quantization_of(linear) for linear in linears} | {quantization(model)}
+        if None in kinds or len(kinds) > 1:
+            return "its linear layers are neither plain nor bitsandbytes nf4 or int8 (threshold 0) layers alike"
+        why = quantized.unfusable(qkv) or quantized.unfusable(gate_up)
+        if why is not None:
+            return why
     return None
+
+
+def quantization(model: Any) -> str | None:
+    """How the first layer's q projection is quantized: "none", "nf4", "int8" (None: another way)."""
+    return quantized.quantization_of(getattr(model.model.layers[0].self_attn, "q_proj", None))
 
 
 def _linears(module: nn.Module, *names: str) -> list[Any]:
@@ -83,16 +96,26 @@ class Linear:
         return cls(linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
 
 
+Product = Linear | Nf4Linear | Int8Linear
+
+
+def _product(*linears: Any) -> Product:
+    """The product over `linears` side by side (one, or fused), in their quantization."""
+    if quantized.quantization_of(linears[0]) != "none":
+        return quantized.fused(*linears)
+    return Linear.fused(*linears) if len(linears) > 1 else Linear.of(linears[0])
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: Linear
+    qkv: Product
     attention: PagedAttention
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    o: Product
+    gate_up: Product
+    down: Product
 
 
 class LlamaModel:
@@ -105,6 +128,7 @@ class LlamaModel:
         model.requires_grad_(False)
         self.config = model.config
         self.backend = backend
+        self.quantization = quantization(model)  # "none", "nf4" or "int8", on `/version`
         self.ops = elementwise(backend)
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()
@@ -130,9 +154,14 @@ class LlamaModel:
                           float(attn.q_norm.variance_epsilon) if norm is not None else 1e-6)
         return DecoderLayer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                             float(layer.input_layernorm.variance_epsilon),
-                            Linear.fused(attn.q_proj, attn.k_proj, attn.v_proj),
-                            PagedAttention(index, shape, self.backend), Linear.of(attn.o_proj),
-                            Linear.fused(mlp.gate_proj, mlp.up_proj), Linear.of(mlp.down_proj))
+                            _product(attn.q_proj, attn.k_proj, attn.v_proj),
+                            PagedAttention(index, shape, self.backend), _product(attn.o_proj),
+                            _product(mlp.gate_proj, mlp.up_proj), _product(mlp.down_proj))
+
+    def matrices(self) -> list[torch.Tensor]:
+        """Every product's weight, as `project` reads it (engine/cpu_threads.invariant_rows probes them)."""
+        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [*(linear.weight for linear in linears if isinstance(linear, Linear)), self.head]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
                  last: torch.Tensor | None) -> torch.Tensor:
