@@ -43,7 +43,7 @@ import torch
 
 from gateway.engine import models
 from gateway.engine.cache_manager import KVCacheManager, Placement
-from gateway.engine.cpu_threads import ThreadGovernor
+from gateway.engine.cpu_threads import ThreadGovernor, invariant_rows
 from gateway.engine.decode_ahead import DecodeAhead, StepCounts
 from gateway.engine.events import CutOff, Job, Task, TooLarge
 from gateway.engine.intake import Intake
@@ -88,7 +88,11 @@ class Engine:
         # CUDA graphs, of chunk steps up to this many tokens (None: none; engine/cuda_graphs.py)
         self.graph_tokens = plan.graph_tokens if backend == "triton" else None
         self.overlap = plan.overlap  # decode steps launched one ahead (decode_ahead.py)
-        self.threads = threads  # torch's CPU threads, fewer while other work holds the cores (cpu_threads.py)
+        # torch's CPU threads, fewer while other work holds the cores (cpu_threads.py): only on toolkv's
+        # own model, whose products are padded to row counts that round alike on any thread count.
+        self.threads = threads if step_model.kind == "owned" else None
+        if self.threads is not None:
+            self.runner.thread_rows = invariant_rows(step_model.matrices(), self.threads.max_threads)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=plan.chunk_tokens,
                                     min_prefix_tokens=plan.min_prefix_tokens, turn_opening=plan.turn_opening,
                                     conversation_reuse=plan.conversation_reuse, pool_only=self.runner.reads_pool_only)
