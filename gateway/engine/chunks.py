@@ -7,19 +7,28 @@ in two prompts if it was computed in the same chunk, over the same earlier KV. E
 therefore cut at the same places whether it is served cold, as a hit or from an earlier turn:
 
 - the tool group `[0, G)`: every `chunk_tokens` from 0, and G;
-- the rest: where an assistant turn opens (the generation prompt's tokens, `<|im_start|>assistant`
-  in ChatML, serving/prompt_tokens.py `turn_opening`), and every `chunk_tokens` after the last opening (or after G);
+- the rest: one token after each place an assistant turn opens (the opening is the generation
+  prompt's tokens up to its trailing blank, `<|im_start|>assistant` in ChatML,
+  serving/prompt_tokens.py `turn_opening`; the token after it is that blank, `\n`), and every
+  `chunk_tokens` after the last such cut (or after G);
 - and the prompt's end.
 
 A later prompt may reuse an earlier one's KV up to a position that is a chunk end in both and
 within their common token prefix (`reuse_end`): the chunks before it were the same passes over the
-same tokens, so the KV is bit for bit what a cold prefill computes. A prompt ends with the opening
-of the turn to generate, and the next turn's prompt has the same tokens there followed by the
-answer, so an agent's next turn reuses everything up to the start of the assistant's last message
-and computes only the messages that are new, in as few chunks as their length allows (one
-assistant answer plus its tool results is one chunk up to `chunk_tokens`; each pass reads all the
-weights, so fewer passes is faster). The assistant's own answer is recomputed: its KV came from
-decode steps, one token a pass, whose bits differ from a prefill's.
+same tokens, so the KV is bit for bit what a cold prefill computes.
+
+Why one token after the opening, not before it: a prompt ends with its generation prompt, opening
+and blank. Cut before the opening, its last chunk was those 4 tokens alone (SmolLM2's
+`<|im_start|>`, `ass`, `istant`, `\n`), one more forward pass, which reads every weight: on the CPU
+a hit's 3-4 new-token pass cost about a third of its TTFT. Cut after the blank, a hit's or a miss's
+new tokens are one chunk, and the next turn's prompt (the same tokens, then the answer, its tool
+results and a new generation prompt) reuses the whole earlier prompt and computes only what is new
+in one chunk up to `chunk_tokens`: an agent's turn is one pass, not two. The answer's own KV is
+recomputed: it came from decode steps, one token a pass, whose bits differ from a prefill's. Where
+the blank tokenizes differently once an answer follows (it merged with the answer's first
+characters), that turn's cut is not at the earlier prompt's end and the next turn reuses up to the
+cut before it (less reuse, never wrong); a template whose generation prompt has no trailing blank
+cuts one token into the answer, the same.
 """
 
 from __future__ import annotations
@@ -37,9 +46,9 @@ def chunk_ends(ids: Sequence[int], group_len: int, chunk_tokens: int, opening: S
     first = opening[0] if width else None
     for position in range(group_len + 1, len(ids)):
         if ids[position] == first and list(ids[position:position + width]) == list(opening):
-            anchor = position
-            ends.append(position)
-        elif (position - anchor) % chunk_tokens == 0:
+            anchor = min(position + width + 1, len(ids))  # after the blank that follows the opening
+            ends.append(anchor)
+        elif position > anchor and (position - anchor) % chunk_tokens == 0:
             ends.append(position)
     if not ends or ends[-1] != len(ids):
         ends.append(len(ids))

@@ -42,9 +42,6 @@ def prompt_len(runtime: Runtime, body: dict[str, Any]) -> int:
     return len(runtime.service.prepare(ChatCompletionRequest.model_validate(body)).job.prompt_ids)
 
 
-GENERATION_PROMPT = 4  # `<|im_start|>`, `ass`, `istant`, `\n`: the next turn recomputes it with the answer
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_turn_computes_only_its_new_messages_and_equals_a_full_prefill(runtime_for, airline_tools, arch):
     runtime = runtime_for(arch, context=8192)
@@ -60,8 +57,8 @@ def test_each_turn_computes_only_its_new_messages_and_equals_a_full_prefill(runt
             assert reused.prefilled.result == "miss"
         else:
             assert reused.prefilled.result == "hit"
-            # everything up to the previous turn's generation prompt was reused, nothing more
-            assert reused.prefilled.cached_tokens == previous - GENERATION_PROMPT
+            # the whole previous prompt, its generation prompt included, was reused, nothing more
+            assert reused.prefilled.cached_tokens == previous
         previous = prompt
     assert len(turns) >= 6 and runtime.engine.cache.conversations.evictions == 0
 
@@ -76,13 +73,14 @@ def test_a_turn_reuses_after_its_group_was_evicted_and_recompiled(runtime_for, a
     again = generate(runtime, body)
     group = runtime.store.ram.entries()[0].num_tokens
     assert again.prefilled.result == "miss"  # the group was computed again; the turn after it was not
-    turn = prompt_len(runtime, request(first, airline_tools)) - GENERATION_PROMPT
+    turn = prompt_len(runtime, request(first, airline_tools))
     assert again.prefilled.cached_tokens == turn - group
     assert again.finished.token_ids == generate(runtime, body, bypass=True).finished.token_ids
 
 
 def test_an_edited_earlier_message_reuses_only_the_turns_before_it(runtime_for, airline_tools):
-    """Chunks are cut where assistant turns open: an edit reuses up to the opening before it."""
+    """Chunks are cut after each assistant turn's opening and blank: an edit reuses up to the cut
+    before it."""
     runtime = runtime_for("llama", context=8192)
     messages = tau_turns()[1]
     generate(runtime, request(messages, airline_tools))
@@ -91,8 +89,8 @@ def test_an_edited_earlier_message_reuses_only_the_turns_before_it(runtime_for, 
     edited[3]["content"] = "Actually my user ID is noah_muller_9847."  # the second user message
     body = request(edited, airline_tools)
     run = generate(runtime, body)
-    opening = prompt_len(runtime, request(messages[:2], airline_tools)) - GENERATION_PROMPT  # the first answer's
-    assert run.prefilled.cached_tokens == opening
+    first_turn = prompt_len(runtime, request(messages[:2], airline_tools))  # up to the first answer
+    assert run.prefilled.cached_tokens == first_turn
     assert run.finished.token_ids == generate(runtime, body, bypass=True).finished.token_ids
 
 

@@ -19,26 +19,26 @@ M = 1  # the turn marker in these prompts
 
 def test_the_group_is_cut_on_a_grid_and_the_rest_at_markers_then_on_a_grid_from_each():
     ids = [5] * 300 + [M] + [6] * 10 + [M] + [7] * 40
-    assert chunk_ends(ids, 300, 128, (M,)) == [128, 256, 300, 311, 352]
-    assert chunk_ends(ids, 300, 32, (M,)) == [32, 64, 96, 128, 160, 192, 224, 256, 288, 300, 311, 343, 352]
+    assert chunk_ends(ids, 300, 128, (M,)) == [128, 256, 300, 313, 352]
+    assert chunk_ends(ids, 300, 32, (M,)) == [32, 64, 96, 128, 160, 192, 224, 256, 288, 300, 313, 345, 352]
     assert chunk_ends([M, 2, 3], 0, 128, ()) == [3]
 
 
-def test_only_the_opening_of_an_assistant_turn_cuts_so_a_turn_is_one_chunk():
+def test_only_an_assistant_turns_opening_cuts_one_token_after_it_so_a_turn_is_one_chunk():
     A, U = 2, 3  # `<marker> assistant`, `<marker> user`
     ids = [5] * 10 + [M, U, 7, 7] + [M, A, 8, 8] + [M, U, 9] + [M, U, 9] + [M, A]
-    assert chunk_ends(ids, 10, 128, (M, A)) == [10, 14, 24, 26]
+    assert chunk_ends(ids, 10, 128, (M, A)) == [10, 17, 26]  # a hit's new tokens: one chunk
 
 
-def test_a_next_turn_reuses_up_to_the_marker_that_opened_the_last_generation_prompt():
-    old = [9] * 20 + [M, 2, 3, 4] + [M, 8]  # ... user turn, then `<marker> assistant`
+def test_a_next_turn_reuses_the_whole_earlier_prompt_its_generation_prompt_included():
+    old = [9] * 20 + [M, 2, 3, 4] + [M, 8]  # ... user turn, then `<marker>` and its blank
     new = old + [5, 5, 5] + [M, 6, 6] + [M, 8]  # the answer, a tool result, a new generation prompt
     new_ends, old_ends = chunk_ends(new, 20, 128, (M,)), set(chunk_ends(old, 20, 128, (M,)))
-    assert reuse_end(new_ends, old_ends, len(old), len(old), len(new), 20) == 24
+    assert reuse_end(new_ends, old_ends, len(old), len(old), len(new), 20) == len(old)
     edited = old[:22] + [7] + old[23:]  # a change inside the user turn: only the group is left
     assert reuse_end(chunk_ends(edited, 20, 128, (M,)), old_ends, 22, len(old), len(edited), 20) == 20
     # the very same prompt again: its last chunk is computed (the logits come from it)
-    assert reuse_end(chunk_ends(old, 20, 128, (M,)), old_ends, len(old), len(old), len(old), 20) == 24
+    assert reuse_end(chunk_ends(old, 20, 128, (M,)), old_ends, len(old), len(old), len(old), 20) == 20
 
 
 def _record(pool: BlockPool, tokens: list[int], root: bytes) -> Record:
