@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -32,36 +30,6 @@ class APIError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         return error_envelope(self.message, self.error_type, self.param, self.code)
-
-    def naming(self, param: str) -> APIError:
-        """This error naming the field `param` instead (another API's name for it), in its message
-        too: a field path wherever it stands, a bare word only quoted (`stop` is English too: "at
-        most 4 stop sequences")."""
-        old = str(self.param)
-        if re.fullmatch(r"\w+", old):
-            message = re.sub(rf"(['\"`]){re.escape(old)}\1", lambda m: f"{m.group(1)}{param}{m.group(1)}",
-                             self.message)
-        else:
-            message = self.message.replace(old, param)
-        return type(self)(message, param=param, code=self.code, headers=self.headers)
-
-
-def in_terms_of(exc: APIError, fields: Callable[[str | None], str | None]) -> APIError:
-    """`exc`, a chat-side error, naming its field as `fields` maps it (another API's name)."""
-    param = fields(exc.param)
-    return exc if param == exc.param or param is None else exc.naming(param)
-
-
-@contextlib.contextmanager
-def named_by(fields: Callable[[str | None], str | None]) -> Iterator[None]:
-    """Chat-side errors raised inside name their field as `fields` maps it (`in_terms_of`)."""
-    try:
-        yield
-    except APIError as exc:
-        named = in_terms_of(exc, fields)
-        if named is exc:
-            raise
-        raise named from None
 
 
 class BadRequest(APIError):

@@ -24,7 +24,7 @@ from gateway.api.generation import (
     Release,
     check_model,
     parse_model,
-    prepare_chat,
+    prepare,
     serve_generation,
     whole_json,
 )
@@ -178,7 +178,7 @@ async def _streamed(request: Request, runtime: Runtime, prepared: Prepared, incl
 def _prepare(arrival: Arrival) -> tuple[ChatCompletionRequest, Prepared]:
     """Everything between the body and the engine job; runs on a prepare worker thread."""
     req = parse_model(arrival.body, ChatCompletionRequest)
-    return req, prepare_chat(arrival, req)
+    return req, prepare(arrival, req.to_generation())
 
 
 def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:

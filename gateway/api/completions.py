@@ -48,9 +48,9 @@ def _plan(arrival: Arrival) -> tuple[CompletionRequest, Prepared]:
     check_model(arrival.runtime, req.model)
     service = arrival.runtime.service
     ids = _prompt_ids(service, req.prompt)
-    params = service.sampling(req, len(ids), max_tokens=req.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-                              prompt_param="prompt", logprobs=req.logprobs is not None,
-                              top_logprobs=req.logprobs or 0)
+    sampling = req.sampling(logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+    params = service.sampling(sampling, len(ids), max_tokens=req.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
+                              prompt_param="prompt")
     prepared = service.prepare_ids(ids, params, bypass=arrival.bypass, received=arrival.received,
                                    tenant=arrival.tenant.salt, request_id=arrival.request_id)
     return req, prepared

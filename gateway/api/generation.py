@@ -21,7 +21,7 @@ from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, parse_object, unl
 from gateway.edge.handlers import validation_error as validation_error
 from gateway.edge.limits import check_request_limits
 from gateway.errors import ModelNotFound
-from gateway.protocol.chat import ChatCompletionRequest, in_request_terms
+from gateway.protocol.generation import GenerationRequest
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
@@ -75,16 +75,15 @@ async def serve_generation(request: Request, request_id: str, prepare: Callable[
             release()
 
 
-def prepare_chat(arrival: Arrival, req: ChatCompletionRequest) -> Prepared:
-    """The engine job of a chat request (blocking: on a prepare thread). Every check here is
-    cheap and bounded, and comes before the expensive render and tokenize."""
-    runtime = arrival.runtime
-    with in_request_terms(req):  # a legacy `functions` request's errors name `functions[i]`
-        check_request_limits(req, arrival.state.settings)
-        check_model(runtime, req.model)
-        return runtime.service.prepare(req, bypass=arrival.bypass, received=arrival.received,
-                                       request_id=arrival.request_id, salt_for=arrival.salt_for,
-                                       tenant=arrival.tenant.salt)
+def prepare(arrival: Arrival, req: GenerationRequest) -> Prepared:
+    """The engine job of a generation request (blocking: on a prepare thread), its errors naming
+    the fields as its client wrote them. Every check here is cheap and bounded, and comes before
+    the expensive render and tokenize."""
+    check_request_limits(req, arrival.state.settings)
+    check_model(arrival.runtime, req.model)
+    return arrival.runtime.service.prepare(req, bypass=arrival.bypass, received=arrival.received,
+                                           request_id=arrival.request_id, salt_for=arrival.salt_for,
+                                           tenant=arrival.tenant.salt)
 
 
 def check_model(runtime: Runtime, model: str | None) -> None:

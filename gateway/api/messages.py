@@ -1,6 +1,6 @@
-"""`POST /v1/messages`: Anthropic's Messages API, whole and streamed, run as the chat request it
-amounts to (gateway/protocol/messages.py) through the chat service, so tool groups, conversation
-reuse, keys (`x-api-key` or a bearer token), quotas and the cache headers work exactly as for
+"""`POST /v1/messages`: Anthropic's Messages API, whole and streamed, run as the generation the
+equivalent chat request asks for (gateway/protocol/messages.py) through the chat service, so tool
+groups, conversation reuse, keys (`x-api-key` or a bearer token), quotas and the cache headers work exactly as for
 chat, and a Messages request shares its KV with the equivalent chat request. Errors are in
 Anthropic's envelope (gateway/edge/handlers.py renders them for this path); `anthropic-version`
 and `anthropic-beta` headers are accepted whatever they say."""
@@ -12,15 +12,13 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from gateway.api.generation import (
     Arrival,
     Release,
     parse_model,
-    prepare_chat,
+    prepare,
     serve_generation,
-    validation_error,
     whole_json,
 )
 from gateway.api.messages_stream import (
@@ -34,10 +32,9 @@ from gateway.api.messages_stream import (
 from gateway.api.streaming import SSE, WireEvents, named, stream_answer
 from gateway.api.threads import ThreadStore, ThreadTurn, threaded
 from gateway.edge.request_id import new_request_id
-from gateway.errors import APIError, in_terms_of, named_by
+from gateway.errors import APIError
 from gateway.protocol.answer import AnswerEvent
-from gateway.protocol.chat import ChatCompletionRequest
-from gateway.protocol.messages import CountTokensRequest, MessagesRequest, chat_body, messages_param
+from gateway.protocol.messages import CountTokensRequest, MessagesRequest, to_generation
 from gateway.serving.jobs import Prepared
 from gateway.serving.runtime import Runtime, loaded_runtime
 
@@ -88,7 +85,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 def _plan(arrival: Arrival) -> Planned:
-    """Parse, translate to chat and prepare (on a prepare thread)."""
+    """Parse, turn into a generation request and prepare (on a prepare thread)."""
     return _prepared(arrival, parse_model(arrival.body, MessagesRequest))
 
 
@@ -98,13 +95,7 @@ def _plan_count(arrival: Arrival) -> Planned:
 
 def _prepared(arrival: Arrival, req: MessagesRequest) -> Planned:
     req, thread = threaded(req, arrival.state.threads, arrival.tenant.salt)  # a continue: the whole conversation
-    body = chat_body(req)  # its own errors name Messages fields already
-    with named_by(messages_param):
-        try:
-            chat_req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
-        return Planned(req, prepare_chat(arrival, chat_req), thread)
+    return Planned(req, prepare(arrival, to_generation(req)), thread)
 
 
 def _keep(state: Any, planned: Planned, content: list[dict[str, Any]]) -> None:
@@ -116,8 +107,7 @@ def _keep(state: Any, planned: Planned, content: list[dict[str, Any]]) -> None:
 
 async def _whole(state: Any, runtime: Runtime, planned: Planned) -> dict[str, Any]:
     prepared = planned.prepared
-    with named_by(messages_param):  # a schema found too large while generating, say
-        answer = await runtime.service.complete(prepared)
+    answer = await runtime.service.complete(prepared)  # its errors name Messages fields already
     content = content_of(answer)
     _keep(state, planned, content)
     return message_body(prepared.request_id, prepared.model_name, content,
@@ -145,7 +135,7 @@ class _MessagesWire(WireEvents):
         return [named(event) for event in events]
 
     def failed(self, error: APIError) -> list[SSE]:
-        return [named(event) for event in self.stream.fail(in_terms_of(error, messages_param).message,
+        return [named(event) for event in self.stream.fail(error.message,
                                                            error.status_code)]
 
     def broken(self) -> list[SSE]:

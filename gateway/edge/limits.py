@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.edge.auth import KeyRing
 from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
-from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.generation import GenerationRequest
 from gateway.protocol.messages import error_body as anthropic_error
 from gateway.settings import Settings
 
@@ -119,23 +119,24 @@ def check_arguments_text(text: str, param: str, limit: int = MAX_DOCUMENT_DEPTH)
     check_json_depth(parsed, limit, param)
 
 
-def check_request_limits(req: ChatCompletionRequest, settings: Settings) -> None:
+def check_request_limits(req: GenerationRequest, settings: Settings) -> None:
+    """The request's sizes within the settings' limits; errors name the fields as its client wrote
+    them (`req.fields`). A tool's size is its JSON as a chat request's `tools` entry would hold it."""
+    names, word = req.fields, req.fields.tool_word
     if len(req.messages) > settings.max_messages:
-        raise BadRequest(f"{len(req.messages)} messages; the limit is {settings.max_messages}", param="messages")
-    tools = req.tools or []
-    if len(tools) > settings.max_tools:
-        raise BadRequest(f"{len(tools)} tools; the limit is {settings.max_tools}", param="tools")
-    for index, tool in enumerate(tools):
-        params = tool.function.parameters or {}
-        if nesting_depth(params, settings.max_schema_depth) > settings.max_schema_depth:
-            raise BadRequest(f"the parameters schema of tool '{tool.function.name}' nests deeper than "
-                             f"{settings.max_schema_depth} levels", param=f"tools[{index}].function.parameters")
-        size = len(orjson.dumps(tool.model_dump(exclude_none=True)))
+        raise BadRequest(f"{len(req.messages)} messages; the limit is {settings.max_messages}", param=names.messages)
+    if len(req.tools) > settings.max_tools:
+        raise BadRequest(f"{len(req.tools)} {word}s; the limit is {settings.max_tools}", param=names.tools)
+    for index, tool in enumerate(req.tools):
+        if nesting_depth(tool.parameters or {}, settings.max_schema_depth) > settings.max_schema_depth:
+            raise BadRequest(f"the parameters schema of {word} '{tool.name}' nests deeper than "
+                             f"{settings.max_schema_depth} levels", param=names.tool_parameters.format(index))
+        function = {key: value for key, value in (("name", tool.name), ("description", tool.description),
+                                                   ("parameters", tool.parameters)) if value is not None}
+        size = len(orjson.dumps({"type": "function", "function": function}))
         if size > settings.max_tool_schema_bytes:
-            raise BadRequest(f"tool '{tool.function.name}' is {size} bytes of JSON; the limit is "
-                             f"{settings.max_tool_schema_bytes}", param=f"tools[{index}]")
+            raise BadRequest(f"{word} '{tool.name}' is {size} bytes of JSON; the limit is "
+                             f"{settings.max_tool_schema_bytes}", param=names.tool.format(index))
     for m_index, message in enumerate(req.messages):
-        for c_index, call in enumerate(message.tool_calls or ()):
-            if isinstance(call.function.arguments, str):
-                check_arguments_text(call.function.arguments,
-                                     f"messages[{m_index}].tool_calls[{c_index}].function.arguments")
+        for c_index, call in enumerate(message.tool_calls):
+            check_arguments_text(call.arguments, names.call_arguments.format(m_index, c_index))

@@ -10,10 +10,8 @@ a client never gets a 200 that silently ignored what it asked for. Fields outsid
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
-import re
-from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -26,7 +24,7 @@ from pydantic import (
 )
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
-from gateway.errors import APIError
+from gateway.protocol import generation
 from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -38,6 +36,7 @@ from gateway.protocol.fields import (
     implicit_caching,
     options_need_a_stream,
 )
+from gateway.protocol.generation import CHAT_FIELDS, FUNCTIONS_FIELDS, FieldNames, GenerationRequest, Sampling
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS = 100.0
@@ -269,6 +268,11 @@ class SamplingFields(Lenient):
         """How long the tool group is kept at least (0: LRU alone decides)."""
         return PROMPT_CACHE_RETENTION_S if self.prompt_cache_retention == "24h" else 0.0
 
+    def sampling(self, *, logprobs: bool = False, top_logprobs: int = 0) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop_sequences,
+                        frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                        logit_bias=self.logit_bias, logprobs=logprobs, top_logprobs=top_logprobs)
+
 
 class ChatCompletionRequest(SamplingFields):
     unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
@@ -347,51 +351,36 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     @property
-    def tool_mode(self) -> Literal["none", "auto", "required"]:
-        """Whether the answer may (`auto`) or must (`required`, a named function) call a tool."""
-        choice = self.tool_choice
-        if isinstance(choice, AllowedToolsChoice):
-            return choice.allowed_tools.mode
-        return "required" if isinstance(choice, NamedToolChoice) else choice or "auto"
-
-    def may_call(self, name: str) -> bool:
-        """`name` is a tool the answer may call (every listed tool unless `allowed_tools` or a
-        named function narrows them)."""
-        choice = self.tool_choice
-        if isinstance(choice, AllowedToolsChoice):
-            return name in choice.names
-        return choice.function.name == name if isinstance(choice, NamedToolChoice) else True
-
-    @property
     def legacy_functions(self) -> bool:
         """Asked with `functions`: the answer carries `function_call`, not `tool_calls`."""
         return self.functions is not None
 
-
-@contextlib.contextmanager
-def in_request_terms(req: ChatCompletionRequest) -> Iterator[None]:
-    """An error about the tools a legacy `functions` request was served as names what it sent:
-    `tools[1].function.parameters` is `functions[1].parameters`, a tool is a function."""
-    try:
-        yield
-    except APIError as exc:
-        param = functions_param(exc.param) if req.legacy_functions else exc.param
-        if param == exc.param or exc.param is None:
-            raise
-        message = _TOOL_WORD.sub(r"function\1", exc.message.replace(exc.param, str(param)))
-        raise type(exc)(message, param=param, code=exc.code, headers=exc.headers) from None
-
-
-_TOOL_PARAM = re.compile(r"^tools\[(\d+)\](?:\.function)?")
-_TOOL_WORD = re.compile(r"\btool(s?)\b")
-_LEGACY_PARAMS = {"tools": "functions", "tool_choice": "function_call"}
+    def to_generation(self, fields: FieldNames | None = None) -> GenerationRequest:
+        """This request as the service takes it. `fields`: where its fields are (default: chat's,
+        a legacy request's `functions` and `function_call`)."""
+        if fields is None:
+            fields = FUNCTIONS_FIELDS if self.legacy_functions else CHAT_FIELDS
+            if self.max_completion_tokens:
+                fields = dataclasses.replace(fields, max_tokens="max_completion_tokens")
+        answer = self.response_format.answer_schema if self.response_format is not None else None
+        return GenerationRequest(
+            messages=tuple(m.to_chat() for m in self.messages), tools=tuple(t.to_spec() for t in self.tools or ()),
+            tool_choice=tool_choice_of(self.tool_choice), parallel_tool_calls=self.parallel_tool_calls is not False,
+            sampling=self.sampling(logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0),
+            max_tokens=self.max_completion_tokens or self.max_tokens, answer_schema=answer,
+            answer_schema_given=self.response_format is not None and self.response_format.type == "json_schema",
+            retention_s=self.retention_s, model=self.model, legacy_functions=self.legacy_functions, fields=fields)
 
 
-def functions_param(param: str | None) -> str | None:
-    """The legacy field of a chat-side `param`: `tools[2].function.name` is `functions[2].name`."""
-    if param is None:
-        return None
-    return _LEGACY_PARAMS.get(param) or _TOOL_PARAM.sub(r"functions[\1]", param)
+def tool_choice_of(choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None,
+                   ) -> generation.ToolChoice:
+    """Chat's `tool_choice` (the one place that reads its three shapes)."""
+    if isinstance(choice, AllowedToolsChoice):
+        names = tuple(t.function.name for t in choice.allowed_tools.tools)
+        return generation.ToolChoice(choice.allowed_tools.mode, allowed=names)
+    if isinstance(choice, NamedToolChoice):
+        return generation.ToolChoice("required", named=choice.function.name)
+    return generation.ToolChoice(choice or "auto")
 
 
 def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:

@@ -1,25 +1,28 @@
-"""Anthropic's Messages API on the wire: the request, its translation into a chat request, and
+"""Anthropic's Messages API on the wire: the request, the generation request it amounts to, and
 Anthropic's error envelope (the answer is built in gateway/api/messages_stream.py).
 
-A Messages request runs as the chat request it amounts to (so its tool group and earlier turns
-are cached exactly as chat's, and the two share KV): `system` becomes the system message, a
-`tool_use` block joins its assistant turn as a tool call, a `tool_result` block is a tool
-message, tools' `input_schema` is their `parameters`, `tool_choice` `any` is `required` and
-`disable_parallel_tool_use` is `parallel_tool_calls: false`, `output_config.format` is a
-`json_schema` `response_format`. `cache_control` breakpoints (and the top-level one) are
-accepted wherever Anthropic allows them and need nothing more: the tool group and earlier turns are
-cached without them. As in chat.py, fields toolkv does not implement are a 400 naming the field
-unless they hold a value that asks for nothing (`top_k`, extended thinking, server tools, images);
-fields outside Anthropic's API are ignored.
+A Messages request runs as the generation the equivalent chat request asks for (so its tool
+group and earlier turns are cached exactly as chat's, and the two share KV): `system` becomes the
+system message, a `tool_use` block joins its assistant turn as a tool call, a `tool_result` block
+is a tool message, tools' `input_schema` is their parameters, `tool_choice` `any` is `required`
+and `disable_parallel_tool_use` allows one call, `output_config.format` is the answer's schema.
+Errors the service finds name Messages fields (`MESSAGES_FIELDS`). `cache_control` breakpoints
+(and the top-level one) are accepted wherever Anthropic allows them and need nothing more: the
+tool group and earlier turns are cached without them. As in chat.py, fields toolkv does not
+implement are a 400 naming the field unless they hold a value that asks for nothing (`top_k`,
+extended thinking, server tools, images); fields outside Anthropic's API are ignored.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 from gateway.errors import BadRequest
+from gateway.protocol import generation
 from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     Lenient,
@@ -28,6 +31,7 @@ from gateway.protocol.fields import (
     UnsupportedValue,
     bracketed_type,
 )
+from gateway.protocol.generation import FieldNames, GenerationRequest, Sampling
 from gateway.protocol.messages_rules import check_rules
 
 
@@ -81,7 +85,7 @@ class MessageIn(Lenient):
 
 
 class ToolIn(Lenient):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=64, pattern=FUNCTION_NAME_PATTERN)  # as chat's tools
     description: str | None = None
     input_schema: ObjectSchema
     type: Literal["custom"] | None = None
@@ -163,6 +167,7 @@ UNSUPPORTED_TOOL_FIELDS: dict[str, Any] = {
     "input_examples": lambda v: v == [],
 }
 TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
+MAX_STOP_SEQUENCES = 4
 
 
 class MessagesRequest(Lenient):
@@ -196,6 +201,13 @@ class MessagesRequest(Lenient):
             if isinstance(config, dict) and config.get("effort") not in (None, "high"):
                 raise UnsupportedField("output_config.effort")
         return data
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _at_most_four(cls, stops: list[str] | None) -> list[str] | None:
+        if stops is not None and len(stops) > MAX_STOP_SEQUENCES:  # as chat's `stop`: the sampler's limit
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        return stops
 
     @model_validator(mode="after")
     def _anthropics_rules(self) -> MessagesRequest:
@@ -249,11 +261,12 @@ def _check_tools(tools: Any) -> None:
         _check_fields(tool, UNSUPPORTED_TOOL_FIELDS, f"tools[{index}].")
 
 
-# ---- into a chat request ---------------------------------------------------------------------
+# ---- into a generation request --------------------------------------------------------------
 
 
-def chat_body(req: MessagesRequest) -> dict[str, Any]:
-    """The chat request `req` amounts to."""
+def to_generation(req: MessagesRequest) -> GenerationRequest:
+    """The generation `req` asks for, as the chat request it amounts to would (the same prompt,
+    so the two share their KV); errors name Messages fields (`MESSAGES_FIELDS`)."""
     last = req.messages[-1]
     if last.role == "assistant":
         raise BadRequest("a final assistant message (prefilling the answer) is not supported: end with a "
@@ -261,36 +274,27 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
     messages = [_system(req.system)] if req.system is not None else []
     for index, message in enumerate(req.messages):
         messages += _chat_messages(message, f"messages[{index}]")
-    body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": req.stream}
-    if req.model is not None:
-        body["model"] = req.model
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": _function(tool)} for tool in req.tools]
-    if req.tool_choice is not None:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
-        if getattr(req.tool_choice, "disable_parallel_tool_use", None):
-            body["parallel_tool_calls"] = False
-    if req.stop_sequences:
-        body["stop"] = req.stop_sequences
-    fields = {"temperature": req.temperature, "top_p": req.top_p,
-              "user": req.metadata.user_id if req.metadata is not None else None}
-    body.update({name: value for name, value in fields.items() if value is not None})
-    if req.output_config is not None and req.output_config.format is not None:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
-    return body
+    choice = req.tool_choice
+    schema = req.output_config.format.schema_ if req.output_config and req.output_config.format else None
+    return GenerationRequest(
+        messages=tuple(messages), tools=tuple(_tool_spec(tool) for tool in req.tools or ()),
+        tool_choice=_tool_choice(choice), parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", None),
+        sampling=Sampling(temperature=req.temperature, top_p=req.top_p,
+                          stop=tuple(stop for stop in req.stop_sequences or () if stop)),
+        max_tokens=req.max_tokens, answer_schema=schema, answer_schema_given=schema is not None, model=req.model,
+        fields=MESSAGES_FIELDS)
 
 
-def _system(system: str | list[TextBlock]) -> dict[str, Any]:
-    return {"role": "system", "content": _text(system)}
+def _system(system: str | list[TextBlock]) -> ChatMessage:
+    return ChatMessage("system", _text(system))
 
 
-def _chat_messages(message: MessageIn, where: str) -> list[dict[str, Any]]:
+def _chat_messages(message: MessageIn, where: str) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user turn's tool results are tool messages (in
     order, around its text), an assistant turn's tool_use blocks its tool calls."""
     content = message.content
     if isinstance(content, str):
-        return [{"role": message.role, "content": content}]
+        return [ChatMessage(message.role, content)]
     texts = [block for block in content if isinstance(block, TextBlock)]
     if message.role == "system":
         if len(texts) < len(content):
@@ -300,69 +304,49 @@ def _chat_messages(message: MessageIn, where: str) -> list[dict[str, Any]]:
         if any(isinstance(block, ToolResultBlock) for block in content):
             raise BadRequest("an assistant message cannot hold a 'tool_result' block (tool results are sent in "
                              "the user message that follows)", param=where)
-        calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
-                 for block in content if isinstance(block, ToolUseBlock)]
-        turn: dict[str, Any] = {"role": "assistant", "content": _text(texts) if texts or not calls else None}
-        if calls:
-            turn["tool_calls"] = calls
-        return [turn]
-    out: list[dict[str, Any]] = []
+        calls = tuple(ToolCallIn(block.id, block.name, json.dumps(block.input, ensure_ascii=False))
+                      for block in content if isinstance(block, ToolUseBlock))
+        return [ChatMessage("assistant", _text(texts) if texts or not calls else None, calls)]
+    out: list[ChatMessage] = []
     texts = []  # the user's text since the last tool result
     for block in content:
         if isinstance(block, ToolResultBlock):
             if texts:
-                out.append({"role": "user", "content": _text(texts)})
+                out.append(ChatMessage("user", _text(texts)))
                 texts = []
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content or "")})
+            out.append(ChatMessage("tool", _text(block.content or ""), tool_call_id=block.tool_use_id))
         elif isinstance(block, TextBlock):
             texts.append(block)
         else:
             raise BadRequest("a user message cannot hold a 'tool_use' block (the assistant's calls are in its "
                              "own turn)", param=where)
     if texts:
-        out.append({"role": "user", "content": _text(texts)})
+        out.append(ChatMessage("user", _text(texts)))
     return out
 
 
-def _text(content: str | list[TextBlock]) -> str | list[dict[str, str]]:
-    """Text blocks as chat's text parts (joined as chat joins them)."""
-    if isinstance(content, str):
-        return content
-    return [{"type": "text", "text": block.text} for block in content]
+def _text(content: str | list[TextBlock]) -> str:
+    """Text blocks' text, joined as chat joins its text parts."""
+    return content if isinstance(content, str) else "".join(block.text for block in content)
 
 
-def _function(tool: ToolIn) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
-    if tool.description is not None:
-        function["description"] = tool.description
-    return function
+def _tool_spec(tool: ToolIn) -> ToolSpec:
+    return ToolSpec(name=tool.name, description=tool.description, parameters=tool.input_schema)
 
 
-def _chat_tool_choice(choice: AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice) -> str | dict[str, Any]:
+def _tool_choice(choice: AutoChoice | AnyChoice | ToolChoiceNamed | NoneChoice | None) -> generation.ToolChoice:
     if isinstance(choice, ToolChoiceNamed):
-        return {"type": "function", "function": {"name": choice.name}}
-    return "required" if isinstance(choice, AnyChoice) else choice.type
+        return generation.ToolChoice("required", named=choice.name)
+    if isinstance(choice, AnyChoice):
+        return generation.ToolChoice("required")
+    return generation.ToolChoice(choice.type if choice is not None else "auto")
 
 
-CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata.user_id",
-               "response_format": "output_config.format"}
-
-
-def messages_param(chat_param: str | None) -> str | None:
-    """The Messages field a chat-side error names: `messages[3].content` is in `messages` (a turn
-    with tool results is several chat messages), `tools[0].function.parameters` is
-    `tools[0].input_schema`, `stop` is `stop_sequences`."""
-    if chat_param is None:
-        return None
-    if chat_param.startswith("messages"):
-        return "messages"
-    if chat_param.startswith("tool_choice"):
-        return "tool_choice"
-    if chat_param.startswith("tools["):
-        return chat_param.replace(".function.parameters", ".input_schema", 1).replace(".function", "", 1)
-    if chat_param.startswith("response_format.json_schema.schema"):  # the schema itself
-        return "output_config.format.schema" + chat_param.removeprefix("response_format.json_schema.schema")
-    return CHAT_PARAMS.get(chat_param, chat_param)
+# Where the service's checks find a Messages request's fields (a turn with tool results is several
+# chat messages: errors about one name `messages`).
+MESSAGES_FIELDS = FieldNames(tool_name="tools[{}].name", tool_parameters="tools[{}].input_schema",
+                             stop="stop_sequences", response_format="output_config.format",
+                             answer_schema="output_config.format.schema", call_arguments="messages")
 
 
 # ---- errors --------------------------------------------------------------------------------

@@ -1,21 +1,24 @@
-"""The OpenAI Responses API request, and its translation into a chat request.
+"""The OpenAI Responses API request, and the generation request it amounts to.
 
-A Responses request runs as the chat request it amounts to (so its tool group is cached exactly
-as chat's): `instructions` become the system message, input items become messages (a
-`function_call` item joins the assistant turn before it, a `function_call_output` is a tool
-message), flat function tools become chat tools, `text.format` becomes `response_format`, and `include`
-`message.output_text.logprobs` (with `top_logprobs`) becomes chat's `logprobs` (`top_logprobs`).
-As in protocol.py, fields toolkv does not implement are a 400 naming the field unless they hold
-a value that asks for nothing; fields outside OpenAI's API are ignored.
+A Responses request runs as the generation the equivalent chat request asks for (so its tool
+group is cached exactly as chat's): `instructions` become the system message, input items become
+messages (a `function_call` item joins the assistant turn before it, a `function_call_output` is
+a tool message), flat function tools are the tools, `text.format` is the answer's schema, and
+`include` `message.output_text.logprobs` (with `top_logprobs`) asks for logprobs. Errors the
+service finds name Responses fields (`RESPONSES_FIELDS`). As in chat.py, fields toolkv does not
+implement are a 400 naming the field unless they hold a value that asks for nothing; fields
+outside OpenAI's API are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from adapters.base import FUNCTION_NAME_PATTERN
+from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
+from gateway.protocol import generation
+from gateway.protocol.chat import PROMPT_CACHE_RETENTION_S
 from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -29,6 +32,7 @@ from gateway.protocol.fields import (
     implicit_caching,
     options_need_a_stream,
 )
+from gateway.protocol.generation import FieldNames, GenerationRequest, Sampling, ToolMode
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value there is something to add for
 
@@ -307,62 +311,44 @@ def input_messages(request_input: list[InputItem] | str | None) -> list[dict[str
     return messages
 
 
-def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat request `req` amounts to, over `conversation` (stored turns + this input)."""
-    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    body: dict[str, Any] = {"messages": system + conversation, "stream": req.stream}
-    if req.model is not None:
-        body["model"] = req.model
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-                         for tool in req.tools]
-    if req.tool_choice is not None:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
-    fields = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
-              "temperature": req.temperature, "top_p": req.top_p, "prompt_cache_retention": req.prompt_cache_retention}
-    body.update({name: value for name, value in fields.items() if value is not None})
-    if req.logprobs:
-        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
-    response_format = _response_format(req.format)
-    if response_format is not None:
-        body["response_format"] = response_format
-    return body
+def to_generation(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> GenerationRequest:
+    """The generation `req` asks for over `conversation` (stored turns + this input, as chat
+    messages), as the equivalent chat request would; errors name Responses fields."""
+    system = [ChatMessage("system", req.instructions)] if req.instructions is not None else []
+    fmt = req.format
+    schema = fmt.schema_ if isinstance(fmt, JsonSchema) else {"type": "object"} if isinstance(fmt, JsonObject) else None
+    return GenerationRequest(
+        messages=(*system, *(chat_message(message) for message in conversation)),
+        tools=tuple(ToolSpec(t.name, t.description, t.parameters) for t in req.tools or ()),
+        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls is not False,
+        sampling=Sampling(temperature=req.temperature, top_p=req.top_p, logprobs=req.logprobs,
+                          top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0),
+        max_tokens=req.max_output_tokens, answer_schema=schema, answer_schema_given=isinstance(fmt, JsonSchema),
+        retention_s=PROMPT_CACHE_RETENTION_S if req.prompt_cache_retention == "24h" else 0.0, model=req.model,
+        fields=RESPONSES_FIELDS)
 
 
-def _chat_tool_choice(choice: str | FunctionChoice | AllowedToolsChoice) -> str | dict[str, Any]:
+def chat_message(message: dict[str, Any]) -> ChatMessage:
+    """A conversation message (as `input_messages` and `assistant_turn` write them)."""
+    calls = tuple(ToolCallIn(call["id"], call["function"]["name"], call["function"]["arguments"])
+                  for call in message.get("tool_calls") or ())
+    role = "system" if message["role"] == "developer" else message["role"]
+    return ChatMessage(role, message.get("content"), calls, message.get("tool_call_id"))
+
+
+def _tool_choice(choice: str | FunctionChoice | AllowedToolsChoice | None) -> generation.ToolChoice:
     if isinstance(choice, FunctionChoice):
-        return {"type": "function", "function": {"name": choice.name}}
+        return generation.ToolChoice("required", named=choice.name)
     if isinstance(choice, AllowedToolsChoice):
-        tools = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
-        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": tools}}
-    return choice
-
-
-def _response_format(fmt: PlainText | JsonObject | JsonSchema) -> dict[str, Any] | None:
-    if isinstance(fmt, JsonSchema):
-        spec = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
-        return {"type": "json_schema", "json_schema": spec}
-    return {"type": "json_object"} if isinstance(fmt, JsonObject) else None
+        return generation.ToolChoice(choice.mode, allowed=tuple(tool.name for tool in choice.tools))
+    return generation.ToolChoice("auto" if choice is None else cast(ToolMode, choice))
 
 
 def _text_of(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
-
-
-def responses_param(chat_param: str | None) -> str | None:
-    """The Responses field a chat-side error names: `messages[2].content` is in `input`,
-    `tools[0].function.name` is `tools[0].name`, `response_format` is `text.format`."""
-    if chat_param is None:
-        return None
-    if chat_param.startswith("messages"):
-        return "input"
-    if chat_param.startswith("response_format"):
-        return "text.format"
-    if chat_param.startswith("tools["):
-        return chat_param.replace(".function", "", 1)
-    if chat_param.startswith("tool_choice.allowed_tools."):  # .tools[i].function.name is .tools[i].name
-        return "tool_choice." + chat_param.removeprefix("tool_choice.allowed_tools.").replace(".function", "", 1)
-    return CHAT_PARAMS.get(chat_param, chat_param)
+# Where the service's checks find a Responses request's fields (the conversation is `input`).
+RESPONSES_FIELDS = FieldNames(messages="input", tool_name="tools[{}].name", tool_parameters="tools[{}].parameters",
+                              allowed_tool="tool_choice.tools[{}].name", max_tokens="max_output_tokens",
+                              response_format="text.format", answer_schema="text.format", call_arguments="input")

@@ -1,4 +1,4 @@
-"""The checks a chat request passes before any grammar is built or token generated: unique tool
+"""The checks a generation request passes before any grammar is built or token generated: unique tool
 names, schemas with a finite instance, a `tool_choice` that names listed tools; and what the
 tokenizer tells about the request's limits (the longest token, the call markers)."""
 
@@ -10,28 +10,27 @@ from typing import Any
 from adapters.base import ToolSpec
 from gateway.engine import Tokenizer
 from gateway.errors import BadRequest
-from gateway.protocol import chat as protocol
-from gateway.protocol.chat import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice
+from gateway.protocol.generation import CHAT_FIELDS, FieldNames, GenerationRequest
 from gateway.serving.finite_schemas import has_finite_instance
 
 
-def check_unique_names(tools: list[Any]) -> None:
+def check_unique_names(tools: list[Any], names: FieldNames = CHAT_FIELDS) -> None:
     """400 naming the first tool whose function name repeats an earlier one."""
     seen: set[str] = set()
     for index, tool in enumerate(tools):
         if tool.name in seen:
-            raise BadRequest(f"tools[{index}].function.name '{tool.name}' appears twice",
-                             param=f"tools[{index}].function.name")
+            param = names.tool_name.format(index)
+            raise BadRequest(f"{param} '{tool.name}' appears twice", param=param)
         seen.add(tool.name)
 
 
-def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.ResponseFormat | None,
+def check_finite_schemas(req: GenerationRequest, tools: list[ToolSpec],
                          finite: Callable[[Any], bool] = has_finite_instance) -> None:
     """400 naming the first schema no finite value is valid for (gateway/serving/finite_schemas.py): its
     grammar would compile, then fail in the middle of the answer. `finite` is the check (or a memo of it)."""
-    named = [(f"tools[{index}].function.parameters", tool.parameters) for index, tool in enumerate(tools)]
-    answer = response_format.answer_schema if response_format is not None else None
-    for param, schema in [*named, ("response_format.json_schema.schema", answer)]:
+    names = req.fields
+    named = [(names.tool_parameters.format(index), tool.parameters) for index, tool in enumerate(tools)]
+    for param, schema in [*named, (names.answer_schema, req.answer_schema)]:
         if schema is not None and not finite(schema):
             raise BadRequest(f"{param} has no finite value: no JSON value is valid for it (an unknown type, "
                              "an empty anyOf, `false`), or every one it allows holds another (a $ref that loops "
@@ -39,23 +38,23 @@ def check_finite_schemas(tools: list[ToolSpec], response_format: protocol.Respon
                              "anyOf with null)", param=param)
 
 
-def check_tool_choice(req: ChatCompletionRequest) -> None:
-    choice, listed = req.tool_choice, {t.function.name for t in req.tools or ()}
-    if choice == "required" and not listed:
-        raise BadRequest("tool_choice 'required' needs 'tools'", param="tool_choice")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in listed:
-        raise BadRequest(f"tool_choice names the function '{choice.function.name}', which is not in 'tools'",
-                         param="tool_choice")
-    for index, allowed in enumerate(choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else ()):
-        if allowed.function.name not in listed:
-            param = f"tool_choice.allowed_tools.tools[{index}].function.name"
-            raise BadRequest(f"{param} names the function '{allowed.function.name}', which is not in 'tools' "
-                             "(allowed tools are a subset of 'tools')", param=param)
+def check_tool_choice(req: GenerationRequest) -> None:
+    choice, listed, names = req.tool_choice, {t.name for t in req.tools}, req.fields
+    if choice.mode == "required" and choice.named is None and choice.allowed is None and not listed:
+        raise BadRequest(f"{names.tool_choice} 'required' needs '{names.tools}'", param=names.tool_choice)
+    if choice.named is not None and choice.named not in listed:
+        raise BadRequest(f"{names.tool_choice} names the function '{choice.named}', which is not in "
+                         f"'{names.tools}'", param=names.tool_choice)
+    for index, allowed in enumerate(choice.allowed or ()):
+        if allowed not in listed:
+            param = names.allowed_tool.format(index)
+            raise BadRequest(f"{param} names the function '{allowed}', which is not in '{names.tools}' "
+                             f"(allowed tools are a subset of '{names.tools}')", param=param)
 
 
-def forced_name(req: ChatCompletionRequest, tools: list[ToolSpec]) -> str | None:
+def forced_name(req: GenerationRequest, tools: list[ToolSpec]) -> str | None:
     """The one tool a call must name: a named function, or `required` with one callable tool."""
-    names = [t.name for t in tools if req.may_call(t.name)]
+    names = [t.name for t in tools if req.tool_choice.may_call(t.name)]
     return names[0] if req.tool_mode == "required" and len(names) == 1 else None
 
 

@@ -11,7 +11,7 @@ from adapters.base import ChatFamily, ToolSpec
 from gateway.engine import Constraint, Tokenizer
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
-from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.generation import FieldNames, GenerationRequest
 from gateway.serving.checks import forced_name, special_markers
 from gateway.serving.finite_schemas import has_finite_instance
 from gateway.serving.grammar_text import Mode, Rule, json_grammar, json_rule, tool_grammar
@@ -41,7 +41,7 @@ class OutputGrammar:
         return lambda schema, max_string: self.schemas.get(f"rule:{max_string}", tenant, schema,
                                                            lambda: json_rule(schema, max_string))
 
-    def forced_call(self, req: ChatCompletionRequest, tools: list[ToolSpec]) -> ForcedCall:
+    def forced_call(self, req: GenerationRequest, tools: list[ToolSpec]) -> ForcedCall:
         """`required` forces the opening of some call; a named function (or `required` with one
         tool) forces the opening with its name, or the whole call when it takes no arguments."""
         name = forced_name(req, tools)
@@ -52,27 +52,26 @@ class OutputGrammar:
             return ForcedCall(self.family.call_text(name), complete=True)
         return ForcedCall(self.family.call_opening(name))
 
-    def constraint(self, req: ChatCompletionRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
+    def constraint(self, req: GenerationRequest, tools: tuple[ToolSpec, ...], tools_active: bool,
                    forced_ids: list[int], max_tokens: int, tenant: str = "") -> Constraint | None:
         """The grammar this request's output must follow (grammar_text.py), having
         consumed the forced opening; None when the output is free text. Compiled grammars are
         reused only within `tenant` (no cross-tenant timing)."""
-        answer = req.response_format.answer_schema if req.response_format is not None else None
+        answer, names = req.answer_schema, req.fields
         mode: Mode = "auto"
         if tools_active:
             only = forced_name(req, list(tools))
             mode = "required" if req.tool_mode == "required" else "auto"
-            callable_tools = [t for t in tools if req.may_call(t.name)]  # all still in the prompt
+            callable_tools = [t for t in tools if req.tool_choice.may_call(t.name)]  # all still in the prompt
             grammar = tool_grammar(self.family.call_syntax(), callable_tools, mode=mode, only=only,
-                                   parallel=req.parallel_tool_calls is not False,
+                                   parallel=req.parallel_tool_calls,
                                    answer_schema=answer, specials=self.call_specials,
                                    max_string=self.max_string_chars, free_tokens=self.free_specials,
                                    rule=self.rule(tenant))
-            param = "tools"
+            param = names.tools
         elif answer is not None:
             # the schema's own path, as the finite-instance check names it (json_object has no schema)
-            schema_given = req.response_format is not None and req.response_format.type == "json_schema"
-            param = "response_format.json_schema.schema" if schema_given else "response_format"
+            param = names.answer_schema if req.answer_schema_given else names.response_format
             grammar = json_grammar(answer, self.max_string_chars, self.rule(tenant))
         else:
             return None
@@ -84,18 +83,18 @@ class OutputGrammar:
                        if self.reserve_tokens and not free_text else None)
             return self.grammars.constraint(grammar, param, forced_ids, closing, namespace=tenant)
         except GrammarError as exc:
-            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param, tenant)) from None
+            raise BadRequest(str(exc), param=self._bad_schema(tools, exc.param, names, tenant)) from None
 
-    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str, tenant: str = "") -> str:
+    def _bad_schema(self, tools: tuple[ToolSpec, ...], param: str, names: FieldNames, tenant: str = "") -> str:
         """The first tool whose schema alone does not compile (`tools[i].function.parameters`)."""
-        if param != "tools":
+        if param != names.tools:
             return param
         for index, tool in enumerate(tools):
             try:
                 self.grammars.constraint(json_grammar(tool.parameters or {"type": "object"}), "tools",
                                          namespace=tenant)
             except GrammarError:
-                return f"tools[{index}].function.parameters"
+                return names.tool_parameters.format(index)
         return param
 
     def stop_before(self, forced_opening: str) -> str:

@@ -41,7 +41,8 @@ from gateway.errors import (
 from gateway.metrics import Metrics
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent
-from gateway.protocol.chat import ChatCompletionRequest, SamplingFields
+from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.generation import GenerationRequest, Sampling
 from gateway.serving.accounting import Accounting
 from gateway.serving.answers import StreamedAnswer, content_and_calls
 from gateway.serving.checks import (
@@ -102,10 +103,11 @@ class ChatService:
 
     # ---- preparing -------------------------------------------------------------------------
 
-    def prepare(self, req: ChatCompletionRequest, bypass: bool = False, received: float | None = None, *,
-                salt_for: Callable[[str], str] | None = None, tenant: str = "",
+    def prepare(self, req: GenerationRequest | ChatCompletionRequest, bypass: bool = False,
+                received: float | None = None, *, salt_for: Callable[[str], str] | None = None, tenant: str = "",
                 request_id: str | None = None) -> Prepared:
-        """The engine job for `req`; `received` is when the request arrived (perf_counter).
+        """The engine job for `req` (a chat request is taken as its GenerationRequest); its errors
+        name the fields as `req.fields` says. `received` is when the request arrived (perf_counter).
 
         `salt_for(group_id)` gives the tenant's cache salt for the group (default: the shared
         namespace, ""). It also
@@ -113,32 +115,30 @@ class ChatService:
         `tenant` (the tenant's own salt) namespaces its conversation KV, shared groups or not.
         Blocking (render + tokenize): call it off the event loop."""
         received = time.perf_counter() if received is None else received
-        messages = [m.to_chat() for m in req.messages]
-        tools = [t.to_spec() for t in req.tools or ()]
-        self._check_characters(messages, tools)
-        check_unique_names(tools)
+        req = req.to_generation() if isinstance(req, ChatCompletionRequest) else req
+        messages, tools, names = list(req.messages), list(req.tools), req.fields
+        self._check_characters(messages, tools, names.messages)
+        check_unique_names(tools, names)
         check_tool_choice(req)
-        rendered = self._render(messages, tools)
-        self._check_characters_rendered(rendered.text)
+        rendered = self._render(messages, tools, names.messages)
+        self._check_characters_rendered(rendered.text, names.messages)
         group_id = rendered.group.group_id  # a hash of the whole group: computed once
         salt = salt_for(group_id) if salt_for is not None else ""
         forced = self.output.forced_call(req, tools)
-        ids, prefix_len, commit = self.encode_prompt(messages, tools, rendered, salt)
+        ids, prefix_len, commit = self.encode_prompt(messages, tools, rendered, salt, names.messages)
         forced_ids: list[int] = []
         if forced.opening:  # the suffix only; the opening is generated text, never part of the prefix
             forced_ids = self.tokenizer(forced.opening, add_special_tokens=False)["input_ids"]
             ids += forced_ids
-        params = self.sampling(req, len(ids), max_tokens=req.max_completion_tokens or req.max_tokens,
-                               max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-                               default_max_tokens=self.default_max_tokens, prompt_param="messages",
-                               logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
-        single_call = req.parallel_tool_calls is False
+        params = self.sampling(req.sampling, len(ids), max_tokens=req.max_tokens, max_tokens_param=names.max_tokens,
+                               default_max_tokens=self.default_max_tokens, prompt_param=names.messages)
+        single_call = not req.parallel_tool_calls
         if forced.complete and single_call:  # the answer is wholly forced: nothing may follow it
             params = dataclasses.replace(params, max_tokens=0)
         use_cache = self.cache_enabled and not bypass
-        tools_active = bool(tools) and req.tool_choice != "none"
+        tools_active = bool(tools) and req.tool_choice.mode != "none"
         if params.max_tokens:  # a grammar will hold the output to these schemas
-            check_finite_schemas(tools if tools_active else [], req.response_format, self.output.finite(tenant))
+            check_finite_schemas(req, tools if tools_active else [], self.output.finite(tenant))
         # a wholly forced call that more may follow is under the grammar too: it consumes the call
         constraint = None if params.max_tokens == 0 else self.output.constraint(
             req, rendered.group.tools, tools_active, forced_ids, params.max_tokens, tenant)
@@ -168,7 +168,7 @@ class ChatService:
                         prepare_s=time.perf_counter() - received,
                         request_id=request_id or chat_output.new_completion_id())
 
-    def _check_characters(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> None:
+    def _check_characters(self, messages: list[ChatMessage], tools: list[ToolSpec], param: str) -> None:
         """Reject a prompt that cannot fit before rendering or tokenizing it: no token spans more
         than `max_token_chars` characters, so text longer than context x that is over the context
         whatever it tokenizes to. Counted, each at most what it takes in the rendered prompt: the
@@ -182,21 +182,21 @@ class ChatService:
         if chars > self.context_len * self.max_token_chars:
             raise ContextLengthExceeded(
                 f"the messages and tools hold {chars} characters, more than this model's context of "
-                f"{self.context_len} tokens can take", param="messages")
+                f"{self.context_len} tokens can take", param=param)
 
-    def _check_characters_rendered(self, text: str) -> None:
+    def _check_characters_rendered(self, text: str, param: str) -> None:
         """The same bound on the rendered prompt, before tokenizing it (for whatever else a
         template writes: call ids, names...)."""
         if len(text) > self.context_len * self.max_token_chars:
             raise ContextLengthExceeded(
                 f"the prompt holds {len(text)} characters, more than this model's context of "
-                f"{self.context_len} tokens can take", param="messages")
+                f"{self.context_len} tokens can take", param=param)
 
-    def _render(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> RenderedPrompt:
+    def _render(self, messages: list[ChatMessage], tools: list[ToolSpec], param: str = "messages") -> RenderedPrompt:
         try:
             return self.renderer.render(messages, tools)
         except RenderError as exc:
-            raise BadRequest(str(exc), param="messages") from None
+            raise BadRequest(str(exc), param=param) from None
 
     def warm_up(self) -> None:
         """Pay before the server says it is ready what the first request would otherwise pay once:
@@ -212,21 +212,23 @@ class ChatService:
         log.info("service warm-up: %.1fs (template, tokenizer, grammar)", time.perf_counter() - started)
 
     def encode_prompt(self, messages: list[ChatMessage], tools: list[ToolSpec], rendered: RenderedPrompt,
-                      namespace: str = "") -> tuple[list[int], int, Callable[[], None]]:
+                      namespace: str = "", param: str = "messages") -> tuple[list[int], int, Callable[[], None]]:
         """The rendered prompt's tokens, how many of them are the tool group, and the commit that
         remembers its tokenized head (gateway/serving/prompt_tokens.py). Client text holding a
         control token's text is tokenized as text (gateway/serving/literal_specials.py)."""
         if not self.literal_specials.found(messages, tools):
             return self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, namespace)
-        masked = self._render(*self.literal_specials.masked(messages, tools))
-        ids, ends = self.literal_specials.encode(rendered.text, masked.text)
+        try:
+            masked = self._render(*self.literal_specials.masked(messages, tools), param)
+            ids, ends = self.literal_specials.encode(rendered.text, masked.text)
+        except BadRequest as exc:  # about the conversation's text: `param` is where the client wrote it
+            raise BadRequest(exc.message, param=param) from None
         return ids, cut(ends, rendered.prefix_chars), _nothing
 
-    def sampling(self, req: SamplingFields, prompt_len: int, *, max_tokens: int | None, default_max_tokens: int,
-                 prompt_param: str, logprobs: bool, top_logprobs: int,
-                 max_tokens_param: str = "max_tokens") -> SamplingParams:
-        """A chat or completions request's sampling; `max_tokens` is what it asked for (None: the
-        default, cut to the room the context leaves), in the field `max_tokens_param`."""
+    def sampling(self, req: Sampling, prompt_len: int, *, max_tokens: int | None, default_max_tokens: int,
+                 prompt_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """A request's sampling; `max_tokens` is what it asked for (None: the default, cut to the
+        room the context leaves), in the field `max_tokens_param`."""
         room = self.context_len - prompt_len
         if room < 1:
             raise ContextLengthExceeded(
@@ -238,8 +240,8 @@ class ChatService:
                 f"{self.context_len} tokens", param=max_tokens_param)
         return SamplingParams(max_tokens=min(max_tokens or default_max_tokens, room),
                               temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop_sequences,
-                              logprobs=logprobs, top_logprobs=top_logprobs,
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop,
+                              logprobs=req.logprobs, top_logprobs=req.top_logprobs,
                               frequency_penalty=req.frequency_penalty or 0.0,
                               presence_penalty=req.presence_penalty or 0.0,
                               logit_bias=self.logit_bias(req.logit_bias))

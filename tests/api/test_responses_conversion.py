@@ -1,7 +1,7 @@
 """The Responses API's pieces without a server: the answer's events into Responses events (every
 event valid for the SDK's type, numbered in order, items closed in output order; a failure ends
-with `error` and `response.failed`; logprobs on the text deltas), input items into chat messages
-and into listed items (and their pages), and the per-key response store's LRU order and deletes."""
+with `error` and `response.failed`; logprobs on the text deltas), input items into the generation's
+messages and into listed items (and their pages), and the per-key response store's LRU order and deletes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
+from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from gateway.api.responses.retrieval import InputItemsQuery, listed_items, page
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn, stored_bytes
 from gateway.api.responses.stream import ResponseEvents
 from gateway.errors import BadRequest, GenerationFailed
 from gateway.protocol.answer import Answer, CallArguments, CallStarted, Ended, Started, TextWritten, ToolCall, Usage
-from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.protocol.generation import ToolChoice
+from gateway.protocol.responses import ResponsesRequest, input_messages, to_generation
 from gateway.protocol.responses_output import ResponseShape, output_of
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
@@ -144,12 +146,13 @@ def test_a_whole_answers_text_part_has_the_entries_that_spell_its_text_not_its_c
     assert alone["content"][0]["logprobs"] == [*entries[:2], entry("")]  # all of them, as chat's
 
 
-def test_logprobs_are_asked_of_chat_only_with_the_include_value():
+def test_logprobs_are_asked_only_with_the_include_value():
     asked = ResponsesRequest.model_validate({"input": "hi", "include": ["message.output_text.logprobs"],
                                              "top_logprobs": 3})
-    assert {k: chat_body(asked, [])[k] for k in ("logprobs", "top_logprobs")} == {"logprobs": True, "top_logprobs": 3}
-    top_only = chat_body(ResponsesRequest.model_validate({"input": "hi", "top_logprobs": 3}), [])
-    assert "logprobs" not in top_only and "top_logprobs" not in top_only  # as OpenAI: no include, no logprobs
+    sampling = to_generation(asked, []).sampling
+    assert (sampling.logprobs, sampling.top_logprobs) == (True, 3)
+    top_only = to_generation(ResponsesRequest.model_validate({"input": "hi", "top_logprobs": 3}), []).sampling
+    assert (top_only.logprobs, top_only.top_logprobs) == (False, 0)  # as OpenAI: no include, no logprobs
 
 
 def test_input_items_become_chat_messages_with_calls_joining_their_turn():
@@ -163,26 +166,23 @@ def test_input_items_become_chat_messages_with_calls_joining_their_turn():
     ], "tools": [{"type": "function", "name": "get", "parameters": {"type": "object"}, "strict": True}],
         "tool_choice": {"type": "function", "name": "get"}, "max_output_tokens": 9,
         "text": {"format": {"type": "json_object"}}})
-    body = chat_body(req, input_messages(req.input))
-    call = {"type": "function", "function": {"name": "get", "arguments": "{}"}, "id": "c1"}
-    assert body["messages"] == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Order 7?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            call, {**call, "id": "c2", "function": {"name": "get", "arguments": "{\"id\": 2}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "shipped"},
-        {"role": "tool", "tool_call_id": "c2", "content": "lost"},
-    ]
-    assert body["tools"] == [{"type": "function",
-                              "function": {"name": "get", "parameters": {"type": "object"}, "strict": True}}]
-    assert body["tool_choice"] == {"type": "function", "function": {"name": "get"}}
-    assert (body["max_completion_tokens"], body["response_format"]) == (9, {"type": "json_object"})
+    generation = to_generation(req, input_messages(req.input))
+    calls = (ToolCallIn("c1", "get", "{}"), ToolCallIn("c2", "get", "{\"id\": 2}"))
+    assert generation.messages == (
+        ChatMessage("system", "Be brief."), ChatMessage("user", "Order 7?"),
+        ChatMessage("assistant", "Checking.", calls), ChatMessage("tool", "shipped", tool_call_id="c1"),
+        ChatMessage("tool", "lost", tool_call_id="c2"))
+    assert generation.tools == (ToolSpec("get", None, {"type": "object"}),)
+    assert generation.tool_choice == ToolChoice("required", named="get")
+    assert (generation.max_tokens, generation.answer_schema, generation.answer_schema_given) == (
+        9, {"type": "object"}, False)
 
 
-def test_chat_side_errors_name_the_responses_field():
-    assert [responses_param(p) for p in ("messages", "messages[3].content", "max_tokens", "response_format",
-                                         "tools[2].function.parameters", "tool_choice", None)] == [
-        "input", "input", "max_output_tokens", "text.format", "tools[2].parameters", "tool_choice", None]
+def test_the_service_names_the_responses_fields():
+    names = to_generation(ResponsesRequest.model_validate({"input": "hi"}), []).fields
+    assert (names.messages, names.max_tokens, names.answer_schema, names.tool_parameters.format(2),
+            names.allowed_tool.format(0)) == (
+        "input", "max_output_tokens", "text.format", "tools[2].parameters", "tool_choice.tools[0].name")
 
 
 def kept(response_id: str, *messages: dict[str, Any], parent: Turn | None = None) -> StoredResponse:

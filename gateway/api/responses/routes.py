@@ -1,5 +1,5 @@
-"""`POST /v1/responses`: OpenAI's Responses API, whole and streamed, run as the chat request it
-amounts to (responses_protocol.py) through the chat service, so tool groups, conversation reuse,
+"""`POST /v1/responses`: OpenAI's Responses API, whole and streamed, run as the generation request
+it amounts to (gateway/protocol/responses.py) through the chat service, so tool groups, conversation reuse,
 keys, quotas and the cache headers work exactly as for chat. `previous_response_id` continues a
 response kept in this tenant's ResponseStore (`store: false` keeps nothing), which
 responses_retrieval.py reads back. A response exists from its first event: while it runs, GET reads
@@ -13,15 +13,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from gateway.api.generation import (
     Arrival,
     Release,
     parse_model,
-    prepare_chat,
+    prepare,
     serve_generation,
-    validation_error,
     whole_json,
 )
 from gateway.api.responses.retrieval import listed_items
@@ -29,10 +27,9 @@ from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
 from gateway.api.streaming import SSE, WireEvents, named, stream_answer
-from gateway.errors import APIError, BadRequest, GenerationFailed, in_terms_of, named_by
+from gateway.errors import APIError, BadRequest, GenerationFailed
 from gateway.protocol.answer import AnswerEvent, Ended, Started
-from gateway.protocol.chat import ChatCompletionRequest
-from gateway.protocol.responses import ResponsesRequest, chat_body, input_messages, responses_param
+from gateway.protocol.responses import ResponsesRequest, input_messages, to_generation
 from gateway.protocol.responses_output import (
     ResponseShape,
     assistant_turn,
@@ -88,7 +85,8 @@ async def create_response(request: Request) -> Response:
 
 
 def _plan(arrival: Arrival) -> Planned:
-    """Parse, continue the previous response, translate to chat and prepare (a prepare thread)."""
+    """Parse, continue the previous response, turn into a generation request and prepare (a prepare
+    thread)."""
     req = parse_model(arrival.body, ResponsesRequest)
     parent = _previous(arrival, req.previous_response_id)
     turn = input_messages(req.input)
@@ -98,12 +96,7 @@ def _plan(arrival: Arrival) -> Planned:
     conversation = (parent.conversation() if parent is not None else []) + turn
     if not conversation:
         raise BadRequest("'input' is required: send text or a list of input items", param="input")
-    with named_by(responses_param):
-        try:
-            chat_req = ChatCompletionRequest.model_validate(chat_body(req, conversation))
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
-        prepared = prepare_chat(arrival, chat_req)
+    prepared = prepare(arrival, to_generation(req, conversation))
     shape = ResponseShape.of(arrival.request_id, req, arrival.runtime.model_name)
     return Planned(req, prepared, shape, arrival.tenant.salt, turn, parent, items)
 
@@ -134,8 +127,7 @@ def _check_room(store: ResponseStore, parent: Turn | None, added: int) -> None:
 async def _whole(runtime: Runtime, planned: Planned, store: ResponseStore) -> dict[str, Any]:
     _begin(store, planned)
     try:
-        with named_by(responses_param):  # a schema found too large while generating, say
-            answer = await runtime.service.complete(planned.prepared)
+        answer = await runtime.service.complete(planned.prepared)  # its errors name Responses fields already
         body = planned.shape.body(status_of(answer.finish_reason), output_of(answer), usage_of(answer.usage))
         _keep(store, planned, body)
         return body
@@ -167,7 +159,7 @@ class _ResponsesWire(WireEvents):
         return [named(e) for e in events]
 
     def failed(self, error: APIError) -> list[SSE]:
-        events, body = self.stream.fail(in_terms_of(error, responses_param))
+        events, body = self.stream.fail(error)
         _keep(self.store, self.planned, body)  # a failed response is kept, as OpenAI keeps it
         return [named(e) for e in events]
 
