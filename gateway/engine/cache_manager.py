@@ -5,7 +5,11 @@ turn of the same conversation), the block pool's allocation with eviction, and w
 
 `admit` answers a job with a `Placement` (its blocks, reserved; what to copy in is copied), or
 `HOLD` (not now: the pool is full of blocks in use, or another sequence is computing the same
-group), or `None` (nothing to run: a warm-up whose group is already cached). Engine thread only.
+group), or `None` (nothing to run: a warm-up whose group is already cached). Placing is "can I
+place it?" (`can_place`: the blocks free plus those eviction could free; no, and the job waits
+without evicting anything), then "place it" (`allocate`: a run of consecutive blocks, evicting
+conversation records, then cached groups least recently used first; None when no run is found,
+and the job waits). tests/engine/test_cache_manager.py pins the order. Engine thread only.
 """
 
 from __future__ import annotations
@@ -133,13 +137,17 @@ class KVCacheManager:
             if group_len and entry is None:
                 source, group_from = self.groups.longest(self._group_root(job.salt), prompt[:group_len])
         lookup_s = time.perf_counter() - admitted
+        own_tokens, group_tokens = len(prompt) - group_len + job.params.max_tokens, group_len if entry is None else 0
+        if not self.can_place(own_tokens, group_tokens):  # "can I place it?", before evicting anything
+            if entry is not None:
+                self.let_go(entry)
+            return HOLD
         # Hold the blocks to copy from while allocating: making room may evict their holders.
         held = [r for r in (record.run if record else None, source.blocks if source else None) if r is not None]
         for run in held:
             run.retain()
         try:
-            runs = self._allocate_runs(len(prompt) - group_len + job.params.max_tokens,
-                                       group_len if entry is None else 0)
+            runs = self._allocate_runs(own_tokens, group_tokens)
             if runs is None:
                 if entry is not None:
                     self.let_go(entry)
@@ -171,7 +179,7 @@ class KVCacheManager:
         if found is not None:
             job.warm.set_result((found.entry, True))
             return None
-        runs = self._allocate_runs(1, len(key.token_ids))
+        runs = self._allocate_runs(1, len(key.token_ids)) if self.can_place(1, len(key.token_ids)) else None
         if runs is None:
             return HOLD
         ends = chunk_ends(key.token_ids, len(key.token_ids), self.chunk_tokens, self.turn_opening)
@@ -208,6 +216,18 @@ class KVCacheManager:
         self.store.keep_in_ram(entry)  # replaces the loaded copy; the run's reference is the sequence's
         self.groups.add(entry, self._group_root(salt))
         return entry
+
+    def can_place(self, own_tokens: int, group_tokens: int = 0) -> bool:
+        """Whether a job's own run and its group's run could be placed now, counting the blocks
+        `allocate` may free (conversation records, cached groups no running sequence holds). False
+        only when they cannot: a job that must wait evicts nothing for it. True promises no free
+        run of consecutive blocks: `allocate` answers that (None when the free blocks are apart)."""
+        self.pool.reclaim()
+        ram = self.store.ram
+        unused = sum(entry.blocks.count for entry in ram.entries()
+                     if entry.blocks is not None and not ram.in_use(entry.key.digest))
+        need = self.pool.blocks_for(max(own_tokens, 1)) + (self.pool.blocks_for(group_tokens) if group_tokens else 0)
+        return need <= self.pool.num_free + self.conversations.num_blocks + unused
 
     def _allocate_runs(self, own_tokens: int, group_tokens: int) -> tuple[BlockRun, BlockRun | None] | None:
         """The sequence's own run and (when it computes its group) the group's run; None when they

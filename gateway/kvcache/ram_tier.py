@@ -87,6 +87,10 @@ class RamTier:
         self.owner.check()
         self._locks[digest] = self._locks.get(digest, 0) + 1
 
+    def in_use(self, digest: str) -> bool:
+        """Whether a running sequence holds the entry (locked: it is never evicted)."""
+        return digest in self._locks
+
     def unlock(self, digest: str) -> None:
         self.owner.check()
         count = self._locks.get(digest, 0) - 1

@@ -68,8 +68,9 @@ def compile_and_finish(cache: KVCacheManager, made: Job) -> None:
     placed.group_run.release()
 
 
-def hit_and_finish(cache: KVCacheManager, made: Job) -> None:
-    placed = admitted(cache, made)
+def hit_and_finish(cache: KVCacheManager, made: Job, placed: Placement | None = None) -> None:
+    """Admit `made` (a hit; or take its `placed` hit, running) and retire it."""
+    placed = placed or admitted(cache, made)
     assert placed.result == "hit" and placed.entry is not None and placed.entry.blocks is not None
     cache.retire(cast(Sequence, Compiled(made, placed.key, None, placed.own_run, result="hit", entry=placed.entry)))
     placed.own_run.release()
@@ -101,8 +102,13 @@ def test_cached_groups_are_evicted_least_recently_used_first_and_a_group_in_use_
     placed = admitted(cache, job(4))  # its own block is the free 7th; its group takes 2's blocks
     assert cached_groups(cache) == [1, 3] and placed.result == "miss"
     assert placed.group_run is not None and list(placed.group_run.block_ids) == [3, 4]
-    assert cache.admit(job(5)) is HOLD  # 1 goes, and then nothing is left to evict but 3, in use
-    assert cached_groups(cache) == [3] and cache.pool.num_used == 6
+    assert not cache.can_place(2 + 2, GROUP)  # 3 blocks; 1's 2 are all that could be freed
+    assert cache.admit(job(5)) is HOLD and cached_groups(cache) == [1, 3]  # nothing evicted for a job that waits
+    hit_and_finish(cache, job(3), held)  # 3 is no longer in use: 4 blocks could be freed
+    assert cache.can_place(2 + 2, GROUP)
+    placed = admitted(cache, job(5))  # its own block is 3's hit's, freed; its group takes 1's blocks
+    assert placed.group_run is not None and list(placed.group_run.block_ids) == [1, 2]
+    assert cached_groups(cache) == [3] and cache.pool.num_used == 8
 
 
 def test_a_hit_reuses_the_groups_blocks_and_counts_its_tokens() -> None:
