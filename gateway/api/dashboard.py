@@ -76,8 +76,11 @@ async def stats(request: Request) -> JSONResponse:
     if keyring is not None:  # tool names of every tenant: admin only once keys are configured
         keyring.admin(request)
     runtime: Runtime | None = app.state.runtime
+    listing: tuple[EntryInfo, ...] = ()
     if runtime is not None:
         await runtime.refresh_gauges_off_loop()
+        snapshot = await runtime.snapshot()  # the RAM tier now, as the engine's thread sees it
+        listing = snapshot.store.listing if snapshot is not None else ()
     metrics: Metrics = app.state.metrics
     families = list(metrics.registry.collect())
     windows = ttft_windows(app)
@@ -87,7 +90,7 @@ async def stats(request: Request) -> JSONResponse:
         "status": _status(app), "model": runtime.model_name if runtime is not None else None,
         "totals": totals(families), "engine": engine(families, metrics.engine) if runtime is not None else None,
         "ttft_windows": points, "ttft_ceiling_ms": ttft_ceiling_ms(points), "window_s": windows.window_s,
-        "groups": ram_groups(runtime), "pins": await pins(app, runtime)})
+        "groups": ram_groups(listing), "pins": await pins(app, runtime, listing)})
 
 
 def _asset(name: str) -> FileResponse:
@@ -183,16 +186,15 @@ def _mean(families: Sequence[Metric], histogram_name: str) -> float | None:
 # ---- tool groups -------------------------------------------------------------------------------
 
 
-def ram_groups(runtime: Runtime | None) -> list[dict[str, Any]]:
-    """Rows for the tool-group table, most recently used first. Only the RAM tier is listed."""
-    if runtime is None:
-        return []
+def ram_groups(listing: Sequence[EntryInfo]) -> list[dict[str, Any]]:
+    """Rows for the tool-group table, most recently used first. Only the RAM tier is listed
+    (`listing`: the engine's stats snapshot's)."""
     return [{"group_id": e.group_id, "tool_names": list(e.tool_names), "num_tokens": e.num_tokens,
              "num_bytes": e.num_bytes, "hits": e.hits, "last_used_at": e.last_used_at, "tier": "ram",
-             "pinned": e.pinned} for e in _ram_listing(runtime)[:MAX_GROUP_ROWS]]
+             "pinned": e.pinned} for e in listing[:MAX_GROUP_ROWS]]
 
 
-async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
+async def pins(app: FastAPI, runtime: Runtime | None, listing: Sequence[EntryInfo]) -> dict[str, Any] | None:
     """The pinned groups (`tier`: ram, or disk when not in RAM now), the bytes pinned and the
     budget, as `GET /v1/cache` counts them. A pinned group not in RAM is looked up on disk once,
     then remembered (an entry's group never changes): a poll does not read the disk each time."""
@@ -200,7 +202,7 @@ async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
         return None
     store = runtime.store
     pinned = store.pins.pinned()
-    in_ram = {e.digest: e for e in _ram_listing(runtime) if e.digest in pinned}
+    in_ram = {e.digest: e for e in listing if e.digest in pinned}
     seen: dict[str, EntryInfo | None] = getattr(app.state, "dashboard_pinned", {})
     seen = {digest: info for digest, info in seen.items() if digest in pinned}
     if unknown := pinned.keys() - in_ram.keys() - seen.keys():
@@ -211,12 +213,6 @@ async def pins(app: FastAPI, runtime: Runtime | None) -> dict[str, Any] | None:
             for digest, num_bytes in pinned.items()]
     return {"pinned_bytes": sum(pinned.values()), "pinned_budget_bytes": app.state.settings.pinned_budget_bytes,
             "groups": sorted(rows, key=lambda row: row["num_bytes"], reverse=True)[:MAX_GROUP_ROWS]}
-
-
-def _ram_listing(runtime: Runtime) -> tuple[EntryInfo, ...]:
-    """The RAM tier as the engine's last stats snapshot lists it (never read off its thread)."""
-    snapshot = runtime.last_snapshot
-    return snapshot.store.listing if snapshot is not None else ()
 
 
 def _pinned_row(digest: str, num_bytes: int, info: EntryInfo | None, in_ram: bool) -> dict[str, Any]:

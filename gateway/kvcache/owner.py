@@ -4,10 +4,10 @@ and in-use counts) and the KV pool's block references: the engine's, once it run
 Before the engine's thread starts (start-up, warm-up) and after it ends (shutdown), or with no
 engine at all (the CLI, model-free tests), whoever holds the store is its only user and may change
 it. While the engine runs, a change from any other thread is a bug, and `check` raises at once
-(tests/kvcache/test_owner.py proves a route's change goes through `engine.call`): that is what lets
-the RAM tier and the block pool go without locks. Other threads hand work to the owner instead:
-routes through `engine.call` (serving/store_admin.py), the disk writer by handing block runs back
-(`BlockPool.release_later`)."""
+(tests/kvcache/test_owner.py; tests/kvcache/test_cache_api.py shows the routes' changes run on the
+engine's thread): that is what lets the RAM tier and the block pool go without locks. Other
+threads hand work to the owner instead: routes through `engine.call` (serving/store_admin.py),
+the disk writer by handing block runs back (`BlockPool.release_later`)."""
 
 from __future__ import annotations
 

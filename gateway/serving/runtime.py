@@ -53,10 +53,6 @@ class Runtime:
         """The store as routes change it: through the engine's thread (serving/store_admin.py)."""
         return StoreAdmin(self.engine, self.store)
 
-    @property
-    def last_snapshot(self) -> Snapshot | None:
-        return self._snapshot
-
     async def snapshot(self) -> Snapshot | None:
         """A snapshot of the engine and its store, taken on the engine's thread between steps;
         the last one when the engine's queue is full or it does not answer in time."""
