@@ -150,10 +150,24 @@ def _load_pretrained(source: ModelSource, settings: Settings, dtype: torch.dtype
                               "trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **common)
+        if "quantization_config" in extra:
+            extra = {**extra, "config": _float_config(location, common)}
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **common, **extra)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {location!r}: {exc}") from exc
     return model, tokenizer
+
+
+def _float_config(location: str, common: dict[str, Any]) -> Any:
+    """The checkpoint's config, less a GGUF conversion's `quantization_config` (a converted copy's
+    weights are floats; transformers refuses a second quantization over the GGUF's record)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(location, **common)
+    recorded = getattr(config, "quantization_config", None)
+    if isinstance(recorded, dict) and recorded.get("quant_method") == "gguf":
+        del config.quantization_config
+    return config
 
 
 def _load_gguf(source: ModelSource, settings: Settings, dtype: torch.dtype,
