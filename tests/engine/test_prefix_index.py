@@ -76,3 +76,23 @@ def test_the_turn_opening_is_the_generation_prompt_without_its_trailing_blank(to
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     opening = turn_opening(tokenizer, tokenizer.chat_template)
     assert tokenizer.decode(opening) == "<|im_start|>assistant"  # the newline after it is left out
+
+
+def test_a_hit_is_one_chunk_after_its_group_and_the_next_turn_reuses_the_whole_prompt(tokenizer_dir):
+    """With the default model's tokenizer and template: the generation prompt's blank survives an
+    answer after it, so the cut one token past the opening is the earlier prompt's end."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    opening = turn_opening(tokenizer, tokenizer.chat_template)
+
+    def ids(messages: list[dict[str, str]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    first = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Where is my order?"}]
+    asked = ids(first)
+    assert chunk_ends(asked, 8, 128, opening) == [8, len(asked)]  # one forward pass after the group
+    for answer in ("It shipped.", '<tool_call>\n{"name": "track"}\n</tool_call>', " Sure"):
+        turn = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Thanks"}]
+        assert len(asked) in chunk_ends(ids(turn), 8, 128, opening), answer
