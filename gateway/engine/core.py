@@ -88,11 +88,12 @@ class Engine:
         # CUDA graphs, of chunk steps up to this many tokens (None: none; engine/cuda_graphs.py)
         self.graph_tokens = plan.graph_tokens if backend == "triton" else None
         self.overlap = plan.overlap  # decode steps launched one ahead (decode_ahead.py)
-        # torch's CPU threads, fewer while other work holds the cores (cpu_threads.py): only on toolkv's
-        # own model, whose products are padded to row counts that round alike on any thread count.
-        self.threads = threads if step_model.kind == "owned" else None
-        if self.threads is not None:
-            self.runner.thread_rows = invariant_rows(step_model.matrices(), self.threads.max_threads)
+        # torch's CPU threads, fewer while other work holds the cores (cpu_threads.py): only where toolkv
+        # runs the products itself, padded to row counts that round alike on any thread count.
+        products = step_model.matrices(head=not plan.batch_invariant)
+        self.threads = threads if products is not None else None
+        if self.threads is not None and products is not None:
+            self.runner.thread_rows = invariant_rows(products, self.threads.max_threads)
         self.cache = KVCacheManager(store, self.pool, info.identity, chunk_tokens=plan.chunk_tokens,
                                     min_prefix_tokens=plan.min_prefix_tokens, turn_opening=plan.turn_opening,
                                     conversation_reuse=plan.conversation_reuse, pool_only=self.runner.reads_pool_only)

@@ -113,8 +113,9 @@ class StepModel(Protocol):
     kind: str  # "owned" or "transformers"
     config: Any
 
-    def matrices(self) -> list[torch.Tensor]:
-        """The weights of the products toolkv calls itself (none on transformers' fallback)."""
+    def matrices(self, head: bool) -> list[torch.Tensor] | None:
+        """The weights of the products toolkv runs over many rows (`head`: the LM head's too), for
+        engine/cpu_threads.invariant_rows; None where it cannot pad them (transformers' fallback)."""
         ...
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,

@@ -59,8 +59,8 @@ class TransformersModel:
         self.config = model.config
         self.reason = reason  # why toolkv's own model does not run it
 
-    def matrices(self) -> list[torch.Tensor]:
-        return []  # transformers calls its own products: none are padded (no adaptive threads here)
+    def matrices(self, head: bool) -> list[torch.Tensor] | None:
+        return None  # transformers calls its own products: none are padded (the thread count stays fixed)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
                  last: torch.Tensor | None) -> torch.Tensor:

@@ -158,10 +158,14 @@ class LlamaModel:
                             PagedAttention(index, shape, self.backend), _product(attn.o_proj),
                             _product(mlp.gate_proj, mlp.up_proj), _product(mlp.down_proj))
 
-    def matrices(self) -> list[torch.Tensor]:
-        """Every product's weight, as `project` reads it (engine/cpu_threads.invariant_rows probes them)."""
+    def matrices(self, head: bool) -> list[torch.Tensor] | None:
+        """The weights of the products `project` runs over many rows, for engine/cpu_threads.invariant_rows
+        to probe (`head`: the LM head's too; batch-invariant, it runs a row at a time); None when a
+        product is quantized (bitsandbytes' kernels are not probed: the thread count stays fixed)."""
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return [*(linear.weight for linear in linears if isinstance(linear, Linear)), self.head]
+        if not all(isinstance(linear, Linear) for linear in linears):
+            return None
+        return [*(linear.weight for linear in linears if isinstance(linear, Linear)), *([self.head] if head else [])]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, step: StepInputs,
                  last: torch.Tensor | None) -> torch.Tensor:
