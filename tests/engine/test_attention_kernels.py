@@ -9,7 +9,8 @@ import torch
 
 from gateway.engine.attention import PREFILL_BLOCK_M, DecodeScratch, HeadShape, KVLayout, attend
 from tests.engine.conftest import generate
-from tests.engine.test_batching import body, run_together
+from tests.engine.test_batching import body
+from tests.engine.test_step_graphs import TOOL
 
 pytest.importorskip("triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,23 +105,17 @@ def test_kernels_turn_write_and_attend_as_plain_attention(dtype, q_heads, kv_hea
     torch.testing.assert_close(values.double(), expected_values, atol=0, rtol=0)
 
 
-def test_on_the_kernels_a_hit_a_miss_and_a_bypass_give_the_same_tokens(runtime_for, merchant_tools):
+def test_on_the_kernels_a_hit_a_miss_and_a_bypass_give_the_same_tokens(runtime_for):
+    """The engine on the kernels, eagerly (no step graphs). With `batch_invariant`, batched still
+    equals alone on them: tests/engine/test_step_graphs.py, whose batched steps run eagerly."""
     runtime = runtime_for("llama", attention_backend="triton", batch_invariant=False)
     assert runtime.engine.runner.backend == "triton"
-    request = body(merchant_tools[:2], "Refunds?", max_tokens=6)
+    request = body(TOOL, "Refunds?", max_tokens=3)
     miss, hit = generate(runtime, request), generate(runtime, request)
     bypass = generate(runtime, request, bypass=True)
     assert (miss.prefilled.result, hit.prefilled.result) == ("miss", "hit")
     assert hit.prefilled.cached_tokens > 0
     assert miss.finished.token_ids == hit.finished.token_ids == bypass.finished.token_ids
-
-
-def test_on_the_kernels_batch_invariant_requests_batched_give_their_tokens_alone(runtime_for, merchant_tools):
-    runtime = runtime_for("qwen2", attention_backend="triton", batch_invariant=True)
-    requests = [body(merchant_tools[:2], q, max_tokens=5) for q in ("hi", "Top sellers?", "Stock of item 7?")]
-    alone = [generate(runtime, r).finished.token_ids for r in requests]
-    together = run_together(runtime, [(r, False) for r in requests])
-    assert [run.finished.token_ids for run in together] == alone
 
 
 def test_every_layout_row_the_kernels_read_starts_16_byte_aligned(runtime_for):
@@ -130,19 +125,27 @@ def test_every_layout_row_the_kernels_read_starts_16_byte_aligned(runtime_for):
     from gateway.engine.cuda_graphs import StepGraphs
     from gateway.engine.model_runner import FlatStep, RowKV, build_layout
 
-    runner = runtime_for("llama", attention_backend="triton", max_batch=5).engine.runner
-    graphs = StepGraphs(runner, 5, (16, 32))
-    tables = [graphs._layout(5, graphs._tiles_for(32))]
-    runs = [runner.pool.allocate(80) for _ in range(6)]
-    for count in range(1, 7):
-        for chunk in (1, 3, 40):  # decode rows only, then one chunk of a tile, then of two
-            tokens = [[1]] * (count - 1) + [[1] * chunk]
-            rows = [RowKV(None, run, 0, 0) for run in runs[:count]]
-            tables.append(build_layout(rows, FlatStep.of(tokens, rows), runner.device))
-    for layout in tables:
+    engine = runtime_for("llama", attention_backend="triton", max_batch=5).engine
+    runner = engine.runner
+
+    def layouts() -> list[KVLayout]:  # on the engine's thread: the pool is its own (kvcache/owner.py)
+        graphs = StepGraphs(runner, 5, (16, 32))
+        tables = [graphs._layout(5, graphs._tiles_for(32))]
+        runs = [runner.pool.allocate(80) for _ in range(6)]
+        try:
+            for count in range(1, 7):
+                for chunk in (1, 3, 40):  # decode rows only, then one chunk of a tile, then of two
+                    tokens = [[1]] * (count - 1) + [[1] * chunk]
+                    rows = [RowKV(None, run, 0, 0) for run in runs[:count] if run is not None]
+                    tables.append(build_layout(rows, FlatStep.of(tokens, rows), runner.device))
+        finally:
+            for run in runs:
+                if run is not None:
+                    run.release()
+        return tables
+
+    for layout in engine.call(layouts).result():
         pointers = [getattr(layout, name).data_ptr() for name in
                     ("q_start", "q_len", "group_start", "group_len", "own_start", "own_len", "decode_rows",
                      "tile_seq", "tile_first")]
         assert all(pointer % 16 == 0 for pointer in pointers)
-    for run in runs:
-        run.release()
