@@ -133,7 +133,7 @@ def test_gemma_2_is_refused_at_load_naming_its_attention_softcap():
 
 
 def test_a_model_with_layers_it_does_not_know_runs_transformers_own(tiny_model_dir):
-    """A linear that is not a plain `nn.Linear` (bitsandbytes' 4-bit layers are not): the model
+    """A linear that is neither a plain `nn.Linear` nor a bitsandbytes nf4/int8 layer: the model
     runs on the fallback, and the cache key says so."""
     settings = load_settings(overrides={"model": str(tiny_model_dir("llama")), "disk_budget_bytes": 0}, environ={})
     loaded = load_model(settings)
