@@ -90,8 +90,10 @@ def script_model(model: Any, tokenizer: Any) -> None:
         positions = kwargs.get("position_ids")
         start = int(positions[0, 0]) if positions is not None else 0
         ids = input_ids[0].tolist()
-        if start == state["end"] and state["last"] is not None and ids[0] == state["last"]:
-            state["written"] += ids  # the token it wrote, and any forced after it
+        if (start == state["end"] and state["last"] is not None and ids[0] == state["last"]
+                and state["script"].startswith(tokenizer.decode(state["written"] + ids))):
+            state["written"] += ids  # the token it wrote, and any forced after it (a prompt chunk
+            # may start with the very token it would write: an earlier turn's answer, cut after its opening)
         else:  # a prompt chunk (the engine prefills in chunks: the text so far is the chunks since
             # position 0, or since a hit's cut)
             state["prompt"] = (state["prompt"] if start == state["end"] else []) + ids
