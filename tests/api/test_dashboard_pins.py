@@ -109,9 +109,7 @@ def test_the_page_shows_the_pinned_groups_and_the_budget(model_dir: Path, tmp_pa
         page.wait_for(lambda: page.text("pinned-bytes") == size)
         assert page.text("pinned-detail") == "of 64.0 MiB budget, 1 group"
         assert not page.displayed("pinned-empty")
-        rows = [[cell.text for cell in row.find_elements(page.by.TAG_NAME, "td")]
-                for row in page.element("pinned-groups").find_elements(page.by.CSS_SELECTOR, "tbody tr")]
-        assert rows == [[pinned["group_id"][:12], ", ".join(pinned["tool_names"]), str(pinned["prefix_tokens"]),
-                         size, "ram"]]
+        assert page.table_rows("pinned-groups") == [[pinned["group_id"][:12], ", ".join(pinned["tool_names"]),
+                                                     str(pinned["prefix_tokens"]), size, "ram"]]
         assert page.group_row("get_order_0")["tier"] == "ram pinned"  # "ram, pinned" (the helper drops commas)
         assert page.group_row("get_order_1")["tier"] == "ram"

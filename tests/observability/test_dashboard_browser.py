@@ -218,9 +218,17 @@ class Page:
         node = self.element(run).find_element(self.by.CSS_SELECTOR, '[data-field="result"]')
         return str(node.get_attribute("data-result"))
 
+    def table_rows(self, element_id: str) -> list[list[str]]:
+        """The cells' text of a table's body rows, read in one call: the page replaces its tables
+        at every poll, and a row read cell by cell may be gone before its last cell is."""
+        rows = self.driver.execute_script(
+            "return Array.from(document.querySelectorAll('#' + arguments[0] + ' tbody tr'),"
+            " row => Array.from(row.querySelectorAll('td'), cell => cell.innerText.trim()))", element_id)
+        return [[str(cell) for cell in row] for row in rows]
+
     def group_row(self, tool_name: str) -> dict[str, str]:
-        for row in self.element("groups").find_elements(self.by.CSS_SELECTOR, "tbody tr"):
-            cells = [str(c.text).strip().replace(",", "") for c in row.find_elements(self.by.TAG_NAME, "td")]
+        for row in self.table_rows("groups"):
+            cells = [cell.replace(",", "") for cell in row]
             if tool_name in cells[1]:
                 return dict(zip(("group", "tools", "tokens", "size", "hits", "tier", "last_used"), cells, strict=True))
         raise AssertionError(f"no tool-group row lists {tool_name}")
