@@ -183,10 +183,9 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
 
 
 def _thread_governor(settings: Settings, loaded: LoadedModel) -> ThreadGovernor | None:
-    """On the CPU with `adaptive_threads`, torch's threads follow the cores other work leaves
-    (engine/cpu_threads.py), unless `num_threads` fixes them. Off by default: a thread count that
-    changes between a hit and its bypass can change a product's last bits (5- and 7-row products,
-    short chunks' attention), and cached output must equal uncached output."""
+    """On the CPU with `adaptive_threads` (the default), torch's threads follow the cores other work
+    leaves (engine/cpu_threads.py), unless `num_threads` fixes them. The engine adapts them only on
+    its own model, whose products and attention it runs at shapes that round alike on any count."""
     if loaded.device.type != "cpu" or settings.num_threads is not None or not settings.adaptive_threads:
         return None
     return ThreadGovernor(usable_cpus())
