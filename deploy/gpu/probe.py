@@ -33,8 +33,9 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -49,6 +50,8 @@ from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import load_settings
 
 CUDA = torch.cuda.is_available()
+
+T = TypeVar("T")
 
 
 class Probe:
@@ -129,6 +132,12 @@ def rows_for(runner: ModelRunner, count: int, context: int, extra: int = 1) -> t
     return [RowKV(None, r, context, context) for r in held], held
 
 
+def on_engine(runtime: Runtime, fn: Callable[[], T]) -> T:
+    """`fn` on the engine's thread, which alone changes the pool's blocks (kvcache/owner.py); the
+    forwards themselves run on this thread while the engine waits for work."""
+    return cast(T, runtime.engine.call(fn).result())
+
+
 def release(runs: list[BlockRun]) -> None:
     for r in runs:
         r.release()
@@ -163,7 +172,7 @@ def device_times(runtime: Runtime, context: int, batches: list[int], repeats: in
     vocab = int(runner.model.config.vocab_size)
     out: dict[str, Any] = {}
     for batch in batches:
-        rows, runs = rows_for(runner, batch, context)
+        rows, runs = on_engine(runtime, partial(rows_for, runner, batch, context))
         try:
             tokens = [[0]] * batch
             greedy = [Sampler(SamplingParams(max_tokens=8, temperature=0.0)) for _ in range(batch)]
@@ -206,7 +215,7 @@ def device_times(runtime: Runtime, context: int, batches: list[int], repeats: in
             out[f"decode x{batch}"] = {k: round(v, 3) for k, v in row.items()}
             print(f"decode x{batch}: {out[f'decode x{batch}']}", flush=True)
         finally:
-            release(runs)
+            on_engine(runtime, partial(release, runs))
     return out
 
 
@@ -227,7 +236,7 @@ def breakdown(runtime: Runtime, context: int, batches: list[int], long_chunk: in
     cases.append((f"chunk {long_chunk} eager (a cold group's)", 0, long_chunk, 0, False))
     out: dict[str, Any] = {}
     for name, decode, chunk, keys, graphed in cases:
-        rows, runs = rows_for(runner, decode + (1 if chunk else 0), keys, extra=max(chunk, 1))
+        rows, runs = on_engine(runtime, partial(rows_for, runner, decode + (1 if chunk else 0), keys, max(chunk, 1)))
         try:
             tokens = [[0]] * decode + ([[0] * chunk] if chunk else [])
             runner.graphs = graphs if graphed else None
@@ -258,7 +267,7 @@ def breakdown(runtime: Runtime, context: int, batches: list[int], long_chunk: in
                 print(f"    {entry['us']:8.1f} us  x{entry['n']:<4} {entry['kernel']}", flush=True)
         finally:
             runner.graphs = graphs
-            release(runs)
+            on_engine(runtime, partial(release, runs))
     return out
 
 
