@@ -15,6 +15,16 @@ import torch
 if not torch.cuda.is_available():  # before Triton is imported: its kernels then run on CPU tensors, interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# No test speaks TLS (every server is http:// on 127.0.0.1), yet every httpx client (the SDKs',
+# and each `httpx.get` of a readiness poll) builds an SSL context that reads the whole CA bundle
+# named by SSL_CERT_FILE or certifi: ~30 ms of CPU each, thousands of times in a run. A hashed
+# directory (SSL_CERT_DIR, which httpx honours when SSL_CERT_FILE is unset) is read lazily, per
+# certificate, when a TLS peer asks: a context then costs well under a millisecond. Inherited by the
+# servers and Ray workers the tests start.
+if os.path.isdir("/etc/ssl/certs"):
+    os.environ.pop("SSL_CERT_FILE", None)
+    os.environ["SSL_CERT_DIR"] = "/etc/ssl/certs"
+
 from gateway.bench.data import WORKLOADS as BENCH_WORKLOADS
 from tests.support.models import build_tiny_model, save_tokenizer
 

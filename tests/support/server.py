@@ -21,6 +21,13 @@ from tests.support.waiting import wait_until
 READY_DEADLINE_S = 300.0
 
 
+def app_settings(app: FastAPI) -> Settings:
+    """The settings an app was built with: a model app's, a proxy's, or a test's own app's `state.settings`."""
+    owned = getattr(app.state, "gateway", None) or getattr(app.state, "proxy", None)
+    settings: Settings = owned.settings if owned is not None else app.state.settings
+    return settings
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -44,20 +51,21 @@ def wait_until_ready(base_url: str, deadline_s: float = READY_DEADLINE_S) -> dic
     def settled() -> bool:
         nonlocal last
         try:
-            last = httpx.get(base_url + "/health", timeout=5).json()
+            last = poller.get(base_url + "/health").json()
         except httpx.HTTPError:
             last = {}
         return last.get("status") in ("ok", "failed")
 
-    if not wait_until(settled, deadline_s, interval_s=0.1):
-        raise TimeoutError(f"server at {base_url} not ready: {last}")
+    with httpx.Client(timeout=5) as poller:  # one client for every poll: a new one per poll costs CPU the server needs
+        if not wait_until(settled, deadline_s, interval_s=0.1):
+            raise TimeoutError(f"server at {base_url} not ready: {last}")
     return last
 
 
 @contextmanager
 def serve_app(app: FastAPI, wait_ready: bool = True) -> Iterator[LiveServer]:
     port = free_port()
-    server = uvicorn.Server(server_config(app, app.state.settings, host="127.0.0.1", port=port,
+    server = uvicorn.Server(server_config(app, app_settings(app), host="127.0.0.1", port=port,
                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
