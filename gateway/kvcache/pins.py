@@ -20,14 +20,18 @@ survive a restart, or that other processes would not see, is never reported as m
 as an entry file is, through a no-follow, non-blocking fd on a regular file; one that cannot be
 read or parsed never wipes the pins this process knows: they are kept (with a warning), and the
 next change writes them over it; never a failed start. The file holds at most `_MAX_RECORDS`
-(retentions that end first give way; pins are bounded by `pinned_budget_bytes`), so a full file
+(retentions of the tenant holding the most records give way, its own that end first; pins are
+bounded by `pinned_budget_bytes`), so a full file
 is always under the size a reader takes. Another process's pin change is seen by a listing at
 once (`refresh`: a stat, and a parse when the file changed) and by eviction within a second (the
 same on a watcher thread, every `_REFRESH_EVERY_S`; never on the engine's thread). A retention deadline is
 written in the background, and again only when it moved by an hour or more, so a request never
 waits for the file. Without a directory (no disk tier) the same bookkeeping lives in memory. In
-memory too, at most `_MAX_RECORDS` holds are kept (past an eighth more, the retentions that end
-first go): a flood of distinct retained groups never grows this process.
+memory too, at most `_MAX_RECORDS` holds are kept (past an eighth more, the same retentions go):
+a flood of distinct retained groups never grows this process, nor drops another tenant's records.
+A retention this process knows that the file held and no longer holds was removed by another
+process (a delete, or the record bound there): it goes here too, unless a request here renewed it
+since, so a delete made through one server is never written back by another.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ _MAX_RECORDS = MAX_RECORDS
 _REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look to eviction here
 _RESHARE_EVERY_S = 1.0  # retentions that ended give their share to the rest within this
 DEFAULT_RETAINED_BUDGET_BYTES = 512 * 1024**2
+_FILED_PRECISION_S = 0.001  # the file rounds deadlines to this
 _RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
 
 
@@ -105,7 +110,7 @@ class Pins:
         self._holds: dict[str, Hold] = {}
         self._version = 0  # bumped on every change to `_holds`: the protected set is computed again
         self._protection: tuple[int, float, set[str]] | None = None  # (version, when, protected digests)
-        self._saved_until: dict[str, float] = {}  # retention deadlines as last written
+        self._saved_until: dict[str, float] = {}  # retention deadlines as the file held them, last read or written
         self._seen: FileId | None = None
         self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
         self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
@@ -212,7 +217,7 @@ class Pins:
             hold.tenant = tenant_label(tenant)  # the latest request's tenant is charged
             self._version += 1
             if len(self._holds) > _MAX_RECORDS + _MAX_RECORDS // 8:  # trimmed now and then, not each time
-                drop_expired(self._holds)  # down to the file's bound: those that end first go
+                drop_expired(self._holds)  # down to the file's bound: the biggest holders' first
             stale = until - self._saved_until.get(digest, 0.0) >= _RETAIN_WRITE_SLACK_S
             if self.path is None or not stale or self._flush_pending:
                 return
@@ -272,7 +277,9 @@ class Pins:
             on_file = read_holds(self.path)
             if on_file is not None:
                 with self._lock:
+                    filed = _deadlines(on_file)
                     self._replace(self._merged(on_file))
+                    self._saved_until = filed
             self._seen = seen
 
     def _watch(self) -> None:
@@ -330,8 +337,9 @@ class Pins:
                     self._version += 1
                 return
             with self._lock:
+                filed = _deadlines(holds)
                 self._replace(self._merged(holds))  # a retention set meanwhile is kept
-                self._saved_until = {d: h.retain_until for d, h in holds.items() if h.retain_until}
+                self._saved_until = filed
             self._seen = file_id(self.path)
 
     def _replace(self, holds: dict[str, Hold]) -> None:
@@ -341,11 +349,12 @@ class Pins:
 
     def _merged(self, on_file: dict[str, Hold]) -> dict[str, Hold]:
         """The file's records, with our own retention deadlines where they run longer (the file
-        may lag: they are written lazily). Pins come from the file: every pin change writes it.
-        Call with `_lock` held."""
+        may lag: they are written lazily), except those the file held and another process removed
+        since (`_removed_elsewhere`). Pins come from the file: every pin change writes it. Call
+        with `_lock` held."""
         now = time.time()
         for digest, hold in self._holds.items():
-            if hold.retain_until > now:
+            if hold.retain_until > now and not self._removed_elsewhere(digest, hold, on_file):
                 target = on_file.setdefault(digest, Hold())
                 if hold.retain_until >= target.retain_until:  # the latest retention's tenant is charged
                     target.retain_until, target.tenant = hold.retain_until, hold.tenant
@@ -353,8 +362,19 @@ class Pins:
                     target.num_bytes = target.num_bytes or hold.num_bytes
         return on_file
 
+    def _removed_elsewhere(self, digest: str, hold: Hold, on_file: dict[str, Hold]) -> bool:
+        """Whether the file held our retention of `digest` and another process removed it, with no
+        request here renewing it since (its deadline has not moved past the file's)."""
+        was = self._saved_until.get(digest)
+        return digest not in on_file and was is not None and hold.retain_until <= was + _FILED_PRECISION_S
+
     def _known(self) -> dict[str, Hold]:
         """A copy of this process's holds: what stands in for a file that cannot be read."""
         with self._lock:
             return {digest: Hold(h.pinned, h.num_bytes, h.retain_until, h.tenant) for digest, h in self._holds.items()}
 
+
+
+def _deadlines(holds: dict[str, Hold]) -> dict[str, float]:
+    """The retention deadlines of `holds` (taken before our own are merged in)."""
+    return {d: h.retain_until for d, h in holds.items() if h.retain_until}

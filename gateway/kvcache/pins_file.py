@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -86,15 +87,35 @@ def write_holds(path: Path, holds: dict[str, Hold]) -> None:
 
 
 def drop_expired(holds: dict[str, Hold]) -> None:
-    """Drop what holds nothing any more; past MAX_RECORDS, the retentions that end first."""
+    """Drop what holds nothing any more; past MAX_RECORDS, retentions of the tenants that hold the
+    most records, each its own that end first (`drop_most_held`)."""
     now = time.time()
     for digest in [d for d, h in holds.items() if not h.live(now)]:
         del holds[digest]
-    excess = len(holds) - MAX_RECORDS
-    if excess > 0:
-        retained = sorted((h.retain_until, d) for d, h in holds.items() if not h.pinned)
-        for _, digest in retained[:excess]:
-            del holds[digest]
+    drop_most_held(holds, len(holds) - MAX_RECORDS)
+
+
+def drop_most_held(holds: dict[str, Hold], excess: int) -> None:
+    """Drop `excess` retentions, one at a time from the tenant that holds the most records then,
+    its earliest deadline first: a tenant flooding distinct retained groups pushes out its own
+    records, never another tenant's few (issue 36; the deadline alone let a flood's later
+    deadlines push out everyone else's). Pins are never dropped here."""
+    if excess <= 0:
+        return
+    by_tenant: dict[str, list[tuple[float, str]]] = {}
+    for digest, hold in holds.items():
+        if not hold.pinned:
+            by_tenant.setdefault(hold.tenant, []).append((hold.retain_until, digest))
+    for held in by_tenant.values():
+        held.sort(reverse=True)  # earliest deadline last: popped first
+    most = [(-len(held), tenant) for tenant, held in by_tenant.items()]
+    heapq.heapify(most)
+    while excess > 0 and most:
+        count, tenant = heapq.heappop(most)
+        del holds[by_tenant[tenant].pop()[1]]
+        excess -= 1
+        if count + 1 < 0:
+            heapq.heappush(most, (count + 1, tenant))
 
 
 def file_id(path: Path) -> FileId | None:

@@ -164,3 +164,28 @@ def test_a_full_disk_refuses_a_pin_and_still_trims_to_its_budget(tmp_path: Path)
     assert "refused" in result["pin"] and result["pinned"] == "NONE"
     assert result["save"] == "write"  # the write itself failed (a miss plus a counter, as before)
     assert result["usage"] <= budget  # but the dir is within its budget
+
+
+def test_a_retention_deleted_through_one_server_is_never_written_back_by_another(tmp_path: Path) -> None:
+    """Server 1 retained X (a request's "24h"); server 2's DELETE removed X and its record from
+    pins.json; server 1's next change to the file wrote the retention it still knew back, so X,
+    computed again on server 2 by a plain request, came back retained for a day."""
+    x, y = make_entry(list(range(16))), make_entry([7] * 16, seed=7)
+    one, two = PrefixStore(RamTier(1 << 30), disk(tmp_path)), PrefixStore(RamTier(1 << 30), disk(tmp_path))
+    try:
+        one.retain(x.key.digest, 3600.0, tenant="key-A")
+        for entry in (x, y):
+            one.insert(entry)
+        assert one.flush(30)
+        one.pin(y.key.digest, budget_bytes=1 << 30)  # a change that writes the file: X's retention with it
+        assert two.find(x.key.digest) is not None and two.find(x.key.digest).retain_until > 0  # type: ignore[union-attr]
+        assert two.remove(x.key.digest) is True
+        one.unpin(y.key.digest)  # server 1 changes the file again, after the delete
+        assert x.key.digest not in json.loads((tmp_path / PINS_FILE).read_text())["entries"]
+        two.insert(x)  # a plain request computes X again on server 2
+        assert [(info.digest, info.retain_until) for info in two.entries() if info.digest == x.key.digest] == \
+            [(x.key.digest, 0.0)]
+        assert one.pins.level(x.key.digest) is Level.NONE  # server 1's RAM copy is no longer retained either
+    finally:
+        one.close()
+        two.close()

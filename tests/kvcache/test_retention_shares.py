@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gateway.kvcache import pins as pins_module
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.pins import Level, Pins, tenant_label
@@ -101,3 +102,19 @@ def test_the_disk_budget_takes_the_flooders_retentions_past_its_share_first(tmp_
     kept = {name for name, entry in entries.items() if entry.key.digest in {r.digest for r in tier.records()}}
     assert kept == {"b", "a2", "a3", "x"}  # then A's next one past its share, before the plain x
     tier.close()
+
+
+def test_a_flood_of_distinct_retentions_drops_its_own_records_not_another_tenants() -> None:
+    """Past the record bound the retentions that ended first went, whoever held them: key A's
+    flood of distinct retained groups (each a request) pushed key B's older retentions out, and
+    B's groups were plain LRU entries again. Now the tenant holding the most records gives way."""
+    bound = pins_module._MAX_RECORDS
+    pins = Pins(None)
+    b_digests = [f"b{n:063x}" for n in range(3)]
+    for digest in b_digests:
+        pins.retain(digest, 3600.0, tenant="key-B")
+    for n in range(bound * 3 // 2):
+        pins.retain(f"a{n:063x}", 7200.0 + n, tenant="key-A")
+    assert [pins.level(d) for d in b_digests] == [Level.RETAINED] * 3
+    assert len(pins.retained()) <= bound + bound // 8
+    assert f"a{bound * 3 // 2 - 1:063x}" in pins.retained()  # A keeps its latest
