@@ -5,7 +5,8 @@ turn of the same conversation), the block pool's allocation with eviction, and w
 
 `admit` answers a job with a `Placement` (its blocks, reserved; what to copy in is copied), or
 `HOLD` (not now: the pool is full of blocks in use, or another sequence is computing the same
-group), or `None` (nothing to run: a warm-up whose group is already cached). Placing is "can I
+group). A warm-up has its own path, `place_group`: its group's run, HOLD, or None when the group
+is cached already (its future resolved then; else when `store_group` stores it). Placing is "can I
 place it?" (`can_place`: the blocks free plus those eviction could free; no, and the job waits
 without evicting anything), then "place it" (`allocate`: a run of consecutive blocks, evicting
 conversation records, then cached groups least recently used first; None when no run is found,
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gateway.engine.chunks import chunk_ends
-from gateway.engine.events import CacheResult, Job
+from gateway.engine.events import CacheResult, Job, WarmGroup
 from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun
@@ -78,6 +79,7 @@ class KVCacheManager:
         self.conversations = Conversations(pool.block_tokens)
         self.groups = GroupIndex(pool.block_tokens, chunk_tokens, store.ram.holds)
         self.compiling: dict[str, Sequence] = {}  # group digest -> the sequence computing it
+        self.warming: dict[str, WarmGroup] = {}  # group digest -> the warm-up computing it
         self.query_tokens = 0
         self.hit_tokens = 0
         self.conversation_hit_tokens = 0
@@ -98,11 +100,9 @@ class KVCacheManager:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    def admit(self, job: Job, recompute: bool = False) -> Placement | Hold | None:
+    def admit(self, job: Job, recompute: bool = False) -> Placement | Hold:
         """Where `job`'s KV comes from, with its blocks reserved; `recompute`: its cached group was
         bad, compute it privately."""
-        if job.warm is not None:
-            return self._admit_warm(job)
         admitted = time.perf_counter()
         prompt = job.prompt_ids
         cacheable = self.min_prefix_tokens <= job.prefix_len < len(prompt)
@@ -169,19 +169,20 @@ class KVCacheManager:
             self.conversation_hit_tokens += rest_from - group_len
         return placement
 
-    def _admit_warm(self, job: Job) -> Placement | Hold | None:
-        """A warm-up only computes and stores its group; None when the group is cached."""
-        assert job.warm is not None
-        key = self.key_for(job.prompt_ids)
+    def place_group(self, warm: WarmGroup) -> Placement | Hold | None:
+        """A warm-up's group run, reserved (its sequence computes the group, then ends); None when
+        the group is cached already (the warm-up's future has it)."""
+        key = warm.key
         if key.digest in self.compiling:
             return HOLD
         found = self.store.lookup(key)
         if found is not None:
-            job.warm.set_result((found.entry, True))
+            warm.future.set_result((found.entry, True))
             return None
         runs = self._allocate_runs(1, len(key.token_ids)) if self.can_place(1, len(key.token_ids)) else None
         if runs is None:
             return HOLD
+        self.warming[key.digest] = warm
         ends = chunk_ends(key.token_ids, len(key.token_ids), self.chunk_tokens, self.turn_opening)
         return Placement(len(key.token_ids), "miss", runs[0], ends, key=key, group_run=runs[1],
                          rest_from=len(key.token_ids))
@@ -274,6 +275,9 @@ class KVCacheManager:
                            blocks=seq.group_run)
         self.store.insert(entry)
         self.groups.add(entry, self._group_root(job.salt))
+        warm = self.warming.pop(seq.key.digest, None)
+        if warm is not None:
+            warm.future.set_result((entry, False))
         return entry
 
     def keep_turn(self, seq: Sequence) -> None:
@@ -282,8 +286,7 @@ class KVCacheManager:
         compute them in a prefill chunk, with other bits (engine/chunks.py)."""
         job = seq.job
         own_tokens = len(seq.prompt) - seq.group_len
-        if not self.conversation_reuse or not job.use_cache or job.warm is not None or \
-                seq.phase is not Phase.DECODE or own_tokens <= 0:
+        if not self.conversation_reuse or not job.use_cache or seq.phase is not Phase.DECODE or own_tokens <= 0:
             return
         record = Record(tuple(seq.prompt), seq.group_len, frozenset(seq.ends), seq.own_run.head(own_tokens),
                         seq.chain)
@@ -293,6 +296,7 @@ class KVCacheManager:
         """What the cache holds for `seq` is let go: the compile it owned, the entry it read."""
         if seq.key is not None and self.compiling.get(seq.key.digest) is seq:
             del self.compiling[seq.key.digest]
+            self.warming.pop(seq.key.digest, None)  # a failed warm-up hears why through its job's events
         if seq.entry is not None and seq.result == "hit":
             self.store.unlock(seq.entry)
 

@@ -45,14 +45,14 @@ from gateway.engine import models
 from gateway.engine.cache_manager import KVCacheManager, Placement
 from gateway.engine.cpu_threads import ThreadGovernor, invariant_rows
 from gateway.engine.decode_ahead import DecodeAhead, StepCounts
-from gateway.engine.events import CutOff, Job, Task, TooLarge
+from gateway.engine.events import CutOff, Job, Task, TooLarge, WarmGroup
 from gateway.engine.intake import Intake
 from gateway.engine.job_stream import JobStream
 from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_runner import ModelRunner, tensor_bytes
 from gateway.engine.outputs import OutputProcessor, StepOutput
 from gateway.engine.plan import EnginePlan
-from gateway.engine.sampling import SamplingParams, device_picks
+from gateway.engine.sampling import device_picks
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.staging import staged
@@ -165,12 +165,10 @@ class Engine:
         if self.pool.blocks_for(len(key.token_ids)) + 1 > self.pool.num_blocks:
             raise TooLarge(f"the group is {len(key.token_ids)} tokens of KV; "
                            f"the KV pool holds {self.pool.num_blocks * self.pool.block_tokens}")
-        future: Future[tuple[CacheEntry, bool]] = Future()
-        job = Job(list(key.token_ids), len(key.token_ids), SamplingParams(max_tokens=1), emit=lambda _: None,
-                  group_id=group_id, tool_names=tool_names, warm=future)
-        job.submitted = time.perf_counter()
-        self._intake.put(job)
-        return future
+        warm = WarmGroup(key, group_id, tool_names)
+        warm.job.submitted = time.perf_counter()
+        self._intake.put(warm)
+        return warm.future
 
     def forget_conversations(self) -> Future[int]:
         """Drop every conversation record (on the engine thread, between steps); the future gives
@@ -274,7 +272,7 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            for item in self._intake.take(self.scheduler.idle, bool(self.scheduler.waiting)):
+            for item in self._intake.take(self.scheduler.idle, self.scheduler.holding):
                 if isinstance(item, Task):
                     self._run_task(item)
                 else:

@@ -1,5 +1,6 @@
-"""What goes into the engine (a Job, or a Task to run on its thread) and what comes out of it
-(events, in order: Prefilled, TextDelta..., then Finished or Failed)."""
+"""What goes into the engine (a Job; a WarmGroup, a tool group to cache; or a Task to run on its
+thread) and what comes out of a job (events, in order: Prefilled, TextDelta..., then Finished or
+Failed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.engine.sampling import SamplingParams, TokenLogprob
+from gateway.kvcache.entry import CacheEntry
+from gateway.kvcache.keys import PrefixKey
 
 if TYPE_CHECKING:
     from gateway.engine.constraints import Constraint
@@ -84,9 +87,35 @@ class Job:
     stop_before: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # perf_counter at submit
-    # A warm-up: compute and store the group (the whole prompt) and generate nothing; the future
-    # gets the entry and whether it was cached already.
-    warm: Future[Any] | None = None
+
+
+class WarmUpFailed(Exception):
+    """Computing a warmed group failed (the server log has why)."""
+
+
+@dataclass(slots=True)
+class WarmGroup:
+    """A tool group to cache, not a generation (`toolkv cache warm`, `warm_groups` at start,
+    `POST /v1/cache/warm`): found in RAM or on disk, or computed into the store in chunks between
+    other requests' steps. `future` gets the entry and whether it was cached already.
+
+    The cache manager answers it on its own path (`KVCacheManager.place_group`); computing it is
+    `job`'s: a prompt that is all group and asks for no tokens, so it ends once its group is stored
+    (outputs.py). A failure reaches `future` through that job's events."""
+
+    key: PrefixKey  # in the shared namespace
+    group_id: str = ""
+    tool_names: tuple[str, ...] = ()
+    future: Future[tuple[CacheEntry, bool]] = field(default_factory=Future)
+    job: Job = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job = Job(list(self.key.token_ids), len(self.key.token_ids), SamplingParams(max_tokens=0),
+                       emit=self._report, group_id=self.group_id, tool_names=self.tool_names)
+
+    def _report(self, event: EngineEvent) -> None:
+        if isinstance(event, Failed) and not self.future.done():
+            self.future.set_exception(WarmUpFailed(event.message))
 
 
 class QueueFull(Exception):

@@ -133,9 +133,9 @@ class OutputProcessor:
         seq.entry = self.cache.store_group(seq)
         log.info("compiled tool group %s: %d tokens in %.2fs (%.1f MB of KV)", seq.job.group_id or "-",
                  seq.group_len, seq.compile_s, seq.entry.num_bytes / 1e6)
-        if seq.job.warm is not None:
+        if seq.computed == len(seq.prompt):  # all group, no token asked (a warm-up): done
             self.retire(seq)
-            seq.job.warm.set_result((seq.entry, False))
+            seq.job.emit(Finished("length", 0))
 
     def _prompt_done(self, seq: Sequence, pick: Pick) -> None:
         if not pick.finite:
@@ -249,10 +249,7 @@ class OutputProcessor:
             log.error("generation failed", exc_info=exc)
             # The client sees no exception text: it may hold a path or other server detail.
             failed = Failed(f"generation failed ({type(exc).__name__}); the server log has the details")
-        if job.warm is not None:
-            job.warm.set_exception(exc)
-        else:
-            job.emit(failed)
+        job.emit(failed)
 
 
 def _expected(exc: Exception) -> Failed | None:

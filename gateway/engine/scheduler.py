@@ -4,6 +4,9 @@ sequences running (`running`); nothing else adds to or takes from these lists. E
 answers one question, `schedule()`: which jobs it admitted (their blocks placed by the cache
 manager), which it refused, and what the step computes (step_planner.py). A sequence leaves the
 batch through `retire` (finished, failed, cancelled) or `restart` (its cached group was bad).
+A warm-up (`WarmGroup`, a tool group to cache) waits apart (`warming`) and takes a free slot
+before the jobs: the cache manager places it on its own path (`place_group`), and its sequence
+computes the group like a request's.
 
 Admission is fair between tenants: a free batch slot goes to the waiting job of the tenant with
 the fewest sequences running, counting the jobs admitted before it in the same pass (ties: the
@@ -35,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
-from gateway.engine.events import Job
+from gateway.engine.events import Job, WarmGroup
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.step_planner import StepPlan, StepPlanner
 
@@ -52,6 +55,7 @@ class Scheduler:
         self.waiting: list[Job] = []  # taken off the intake, not admitted yet, oldest first
         self.paused: list[Sequence] = []  # out of the batch for another tenant's share, oldest first
         self.running: list[Sequence] = []
+        self.warming: list[WarmGroup] = []  # warm-ups taken off the intake, not placed yet, oldest first
         self.num_paused = 0  # sequences paused since start (the engine's preemptions)
         self.num_cancelled = 0  # sequences stopped because their client went away
 
@@ -61,16 +65,23 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.paused)
+        return len(self.waiting) + len(self.paused) + len(self.warming)
+
+    @property
+    def holding(self) -> bool:
+        """Whether work waits for blocks (the engine re-checks the pool while idle)."""
+        return bool(self.waiting or self.warming)
 
     @property
     def idle(self) -> bool:
         """Nothing running or paused (jobs may wait for blocks)."""
         return not self.running and not self.paused
 
-    def add(self, job: Job) -> None:
-        if not job.cancelled.is_set():
-            self.waiting.append(job)
+    def add(self, item: Job | WarmGroup) -> None:
+        if isinstance(item, WarmGroup):
+            self.warming.append(item)
+        elif not item.cancelled.is_set():
+            self.waiting.append(item)
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -87,7 +98,7 @@ class Scheduler:
         """Admit waiting jobs and resume paused sequences, fairest first, while fewer than
         `max_batch` run, or by pausing a sequence of a tenant above its share (module doc). The
         jobs whose placement raised, with why: they are no longer waiting."""
-        refused: list[tuple[Job, Exception]] = []
+        refused = self._admit_warming()
         for item in self.admission_order():
             victim = None
             if len(self.running) >= self.max_batch:
@@ -144,7 +155,7 @@ class Scheduler:
         again = self._place(seq.job, recompute=True)
         if again is HOLD:
             self.waiting.insert(0, seq.job)
-        elif again is not None:
+        else:
             self.running.append(again)
 
     def resume_all(self) -> None:
@@ -160,10 +171,10 @@ class Scheduler:
             self.num_cancelled += 1
             self.retire(seq)
 
-    def _place(self, job: Job, recompute: bool = False) -> Sequence | Hold | None:
-        """A sequence for `job` with all its blocks, HOLD (not now), or None (nothing to run)."""
+    def _place(self, job: Job, recompute: bool = False) -> Sequence | Hold:
+        """A sequence for `job` with all its blocks, or HOLD (not now)."""
         placement = self.cache.admit(job, recompute)
-        if placement is HOLD or placement is None:
+        if placement is HOLD:
             return placement
         seq = self.make_sequence(job, placement)
         if seq.phase is Phase.GROUP:
@@ -171,7 +182,7 @@ class Scheduler:
         return seq
 
     def _admit_job(self, job: Job, refused: list[tuple[Job, Exception]]) -> bool:
-        """Whether `job` took a slot (or was refused, or had nothing to run: it no longer waits)."""
+        """Whether `job` took a slot (or was refused: it no longer waits)."""
         try:
             seq = self._place(job)
         except Exception as exc:
@@ -181,10 +192,30 @@ class Scheduler:
         if seq is HOLD:
             return False
         self.waiting.remove(job)
-        if seq is None:
-            return False
         self.running.append(seq)
         return True
+
+    def _admit_warming(self) -> list[tuple[Job, Exception]]:
+        """Place the warm-ups that fit while there are free slots (the cache manager resolves those
+        whose group is cached already); those whose placement raised, with why."""
+        refused: list[tuple[Job, Exception]] = []
+        for warm in list(self.warming):
+            if len(self.running) >= self.max_batch:
+                break
+            try:
+                placement = self.cache.place_group(warm)
+            except Exception as exc:
+                self.warming.remove(warm)
+                refused.append((warm.job, exc))
+                continue
+            if placement is HOLD:
+                continue
+            self.warming.remove(warm)
+            if placement is not None:
+                seq = self.make_sequence(warm.job, placement)
+                self.cache.start_compiling(seq)
+                self.running.append(seq)
+        return refused
 
     def _queued(self) -> list[Job | Sequence]:
         return [*self.paused, *self.waiting]

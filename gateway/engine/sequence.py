@@ -73,8 +73,7 @@ class Sequence:
     @classmethod
     def admitted(cls, job: Job, placed: Placement, tokenizer: Tokenizer, special_ids: frozenset[int]) -> Sequence:
         """The sequence of an admitted job, its KV where the cache manager placed it."""
-        stop = job.params.stop if job.warm is None else ()
-        stream = TextStream(tokenizer, stop, special_ids, job.keep_token_ids, job.stop_before)
+        stream = TextStream(tokenizer, job.params.stop, special_ids, job.keep_token_ids, job.stop_before)
         sampler = Sampler(job.params, job.constraint)
         seq = cls(job, placed.group_len, placed.result, placed.own_run, placed.ends, sampler, stream,
                   key=placed.key, entry=placed.entry, group_run=placed.group_run, tier=placed.tier,

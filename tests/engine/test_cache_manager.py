@@ -13,7 +13,7 @@ from typing import cast
 import torch
 
 from gateway.engine.cache_manager import HOLD, KVCacheManager, Placement
-from gateway.engine.events import Job
+from gateway.engine.events import Job, WarmGroup
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun, PoolShape
@@ -127,3 +127,21 @@ def test_a_group_being_computed_holds_the_next_job_with_it() -> None:
     seq.phase = Phase.GROUP
     cache.start_compiling(seq)
     assert cache.admit(job(1)) is HOLD  # it waits for the compile rather than computing it twice
+
+
+def test_a_warm_up_computes_its_group_once_then_finds_it_cached() -> None:
+    cache = manager()
+    key = cache.key_for([9] * GROUP)
+    first = WarmGroup(key, "g")
+    placed = cache.place_group(first)  # a miss: a 1-token own run, then the group's run, first fit
+    assert isinstance(placed, Placement) and placed.group_run is not None and placed.result == "miss"
+    assert (list(placed.own_run.block_ids), list(placed.group_run.block_ids)) == ([0], [1, 2])
+    seq = cast(Sequence, Compiled(first.job, placed.key, placed.group_run, placed.own_run))
+    cache.start_compiling(seq)
+    assert cache.place_group(WarmGroup(key)) is HOLD  # the same group, being computed: it waits
+    assert not first.future.done()
+    entry = cache.store_group(seq)
+    assert first.future.result(timeout=0) == (entry, False)
+    again = WarmGroup(key)
+    assert cache.place_group(again) is None and again.future.result(timeout=0) == (entry, True)
+    assert cached_groups(cache) == [9] and cache.pool.num_used == 3  # nothing placed for the second
