@@ -26,7 +26,7 @@ if os.path.isdir("/etc/ssl/certs"):
     os.environ["SSL_CERT_DIR"] = "/etc/ssl/certs"
 
 from gateway.bench.data import WORKLOADS as BENCH_WORKLOADS
-from tests.support.models import build_tiny_model, save_tokenizer
+from tests.support.models import DefaultModelCopy, build_tiny_model, save_tokenizer
 
 WORKLOADS = BENCH_WORKLOADS  # the bench's workloads, shipped in the package (their README: provenance, licenses)
 DATA = Path(__file__).resolve().parent / "data"  # the tests' own data (data/README.md)
@@ -50,6 +50,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
         return built[(arch, seed, context)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def default_model_copy(tmp_path_factory: pytest.TempPathFactory) -> DefaultModelCopy:
+    return DefaultModelCopy(tmp_path_factory.mktemp("default-model-copy"))
 
 
 @pytest.fixture(scope="session")

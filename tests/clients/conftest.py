@@ -16,6 +16,7 @@ from gateway.settings import load_settings
 from tests.clients.scenario import MODEL
 from tests.clients.spec_wire import SpecWire, WireLog
 from tests.support.family_models import scripted_runtime
+from tests.support.models import DefaultModelCopy
 from tests.support.server import LiveServer, serve_app
 
 REAL_TIMEOUT_S = 300.0
@@ -61,13 +62,15 @@ def scripted_server(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytes
 
 
 @pytest.fixture(scope="package")
-def default_server(tmp_path_factory: pytest.TempPathFactory, wire_log: WireLog) -> Iterator[LiveServer]:
+def default_server(tmp_path_factory: pytest.TempPathFactory, wire_log: WireLog,
+                   default_model_copy: DefaultModelCopy) -> Iterator[LiveServer]:
     """The real default model (SmolLM2-135M-Instruct GGUF), loaded once for all the client tests."""
-    settings = load_settings(overrides={"disk_budget_bytes": 0,
-                                        "cache_dir": str(tmp_path_factory.mktemp("default-cache"))}, environ={})
+    cache_dir = default_model_copy.fresh(tmp_path_factory.mktemp("default-cache"))
+    settings = load_settings(overrides={"disk_budget_bytes": 0, "cache_dir": str(cache_dir)}, environ={})
     app = create_app(settings)
     app.add_middleware(SpecWire, log=wire_log)
     with serve_app(app) as server:
+        default_model_copy.keep(cache_dir)
         yield server
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.support.models import DefaultModelCopy
 from tests.support.server import free_port, wait_until_ready
 
 pytestmark = pytest.mark.e2e
@@ -21,12 +22,12 @@ SYSTEM = {"role": "system", "content": "You are the back-office assistant of an 
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_url(tmp_path_factory: pytest.TempPathFactory, default_model_copy: DefaultModelCopy) -> Iterator[str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKV_")}
     log = tmp_path_factory.mktemp("e2e-log") / "server.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-           "--cache-dir", str(tmp_path_factory.mktemp("e2e-cache"))]
+    cache_dir = default_model_copy.fresh(tmp_path_factory.mktemp("e2e-cache"))
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 cwd=Path(__file__).resolve().parents[2])
@@ -34,6 +35,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         base = f"http://127.0.0.1:{port}"
         status = wait_until_ready(base)
         assert status["status"] == "ok", log.read_text()[-3000:]
+        default_model_copy.keep(cache_dir)
         yield base + "/v1"
     finally:
         proc.terminate()
@@ -81,7 +83,7 @@ def test_streamed_hit_equals_the_non_streamed_hit(client, tools20, openai_schema
     assert text == whole.choices[0].message.content
     usage = chunks[-1].usage
     # the same question again: the whole group hits, and the question's own turn (about 17 tokens)
-    # is computed in one chunk with its generation prompt (engine/chunks.py)
+    # is computed in one chunk with its generation prompt (engine/prefix_index.py)
     assert usage.prompt_tokens - 24 < usage.prompt_tokens_details.cached_tokens
     assert whole.usage.prompt_tokens_details.cached_tokens > 2000
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -43,3 +45,25 @@ def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+class DefaultModelCopy:
+    """The default model's converted copy (`<cache_dir>/models`, gateway/engine/gguf_copy.py), made
+    once a session: the GGUF's conversion is ~45 s of a quiet machine's 2 cores, a load from the copy
+    ~3 s. A server on the default model gets `fresh(dir)`, a cache dir of its own (its KV entries
+    are its own) holding the copy once one was kept (hard links: nothing is copied); `keep(dir)`
+    after its server is ready keeps the copy it made, for the next."""
+
+    def __init__(self, root: Path) -> None:
+        self.models = root / "models"
+
+    def fresh(self, cache_dir: Path) -> Path:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if self.models.is_dir():
+            shutil.copytree(self.models, cache_dir / "models", copy_function=os.link)
+        return cache_dir
+
+    def keep(self, cache_dir: Path) -> None:
+        made = cache_dir / "models"
+        if not self.models.is_dir() and made.is_dir():
+            shutil.copytree(made, self.models, copy_function=os.link, ignore=shutil.ignore_patterns(".tmp-*"))
