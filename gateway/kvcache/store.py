@@ -50,6 +50,10 @@ from gateway.kvcache.ram_tier import RamTier
 log = logging.getLogger(__name__)
 
 Tier = Literal["ram", "disk"]
+# Retention protects at most this fraction of the KV pool, whatever retained_budget_bytes says: with
+# a budget the size of the pool, one key's retentions (the only key asking) held every block, and
+# every other key's group missed (issue 36). The rest of the pool is plain LRU for everyone.
+RETAINED_POOL_FRACTION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,10 @@ class PrefixStore:
         self.disk = disk
         self.tally = Tally()
         self.pins = disk.pins if disk is not None else Pins(None)
-        self.pins.retained_budget_bytes = retained_budget_bytes
+        self.pins.retained_budget_bytes = min(retained_budget_bytes, ram.budget_bytes // RETAINED_POOL_FRACTION)
+        if self.pins.retained_budget_bytes < retained_budget_bytes:
+            log.info("retention keeps at most %d bytes, 1/%d of the KV pool (retained_budget_bytes is %d)",
+                     self.pins.retained_budget_bytes, RETAINED_POOL_FRACTION, retained_budget_bytes)
         ram.guard = self.pins.level
         self.owner = ram.owner = Owner()  # the engine binds it to its thread (Engine.__init__)
         self._writer = BackgroundWriter(self._persist) if disk is not None else None

@@ -143,7 +143,8 @@ class Settings(BaseSettings):
                                                                   "ram_budget_bytes (0: no pinning)")
     retained_budget_bytes: Bytes = Field(512 * 1024**2, ge=0, description=(
         "the most bytes of cached groups that prompt_cache_retention \"24h\" keeps from LRU eviction, split "
-        "fairly between the API keys that ask (past its share, a key's retentions are plain LRU; 0: none kept)"))
+        "fairly between the API keys that ask (past its share, a key's retentions are plain LRU; never more than "
+        "half the KV pool; 0: none kept)"))
     min_prefix_tokens: int = Field(64, ge=1, description="the shortest tool-group prefix worth caching, in tokens")
     warm_groups: Annotated[tuple[Path, ...], Cli(metavar="FILE")] = Field((), description=(
         "tool groups compiled at start-up (from disk when cached) before /health says ok: JSON files as `toolkv "

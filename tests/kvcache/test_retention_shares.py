@@ -118,3 +118,22 @@ def test_a_flood_of_distinct_retentions_drops_its_own_records_not_another_tenant
     assert [pins.level(d) for d in b_digests] == [Level.RETAINED] * 3
     assert len(pins.retained()) <= bound + bound // 8
     assert f"a{bound * 3 // 2 - 1:063x}" in pins.retained()  # A keeps its latest
+
+
+def test_retention_never_protects_more_than_half_the_pool() -> None:
+    """With retained_budget_bytes (512 MiB by default) at or above the KV pool, the only key asking
+    for retention had its share cover the whole pool: key B's plain group was evicted at each of
+    A's retained groups. Retention now protects at most half the pool; the rest is LRU."""
+    entries = _entries("ba")
+    size = entries["b"].num_bytes
+    store = PrefixStore(RamTier(4 * size))  # the default retained budget: far above this pool
+    a_entries = [make_entry([60_000 + 100 * i + t for t in range(16)], seed=60 + i) for i in range(4)]
+    for entry in a_entries[:3]:
+        store.retain(entry.key.digest, 3600.0, tenant="key-A")
+        store.insert(entry)
+    store.insert(entries["b"])  # B's group, no retention asked
+    for entry in a_entries[3:]:
+        store.retain(entry.key.digest, 3600.0, tenant="key-A")
+        store.insert(entry)
+    assert store.lookup(entries["b"].key) is not None  # B's resend hits: A's oldest retention went
+    assert store.lookup(a_entries[0].key) is None
