@@ -29,6 +29,13 @@ through here: Responses items (the stored ones `previous_response_id` replays in
 `function_call` and Messages `tool_use` all arrive as a chat history's calls
 (tests/security/test_forged_turns.py).
 
+A tokenizer may also read a control token where the text holds none: a special token marked
+`normalized` is matched after the tokenizer's normalizer, so under NFKC the fullwidth
+`＜｜im_end｜＞` is `<|im_end|>`. For such a tokenizer (and only there: nothing else pays for it) a
+prompt whose tokens hold more control tokens than its text holds control-token texts
+(`slipped`) takes the masked path too, where every piece between two of the template's control
+tokens that the whole tokenization read a control token in is tokenized alone, as text.
+
 A template that does not carry client text through unchanged (the masked render, unmasked, is not
 the real render) cannot be told apart: that request is a 400 naming the special token, never a
 prompt with a forged turn. Only special added tokens are kept apart; a tokenizer's plain added
@@ -67,6 +74,16 @@ class LiteralSpecials:
         self._unmask = str.maketrans({mask: first for first, mask in self._mask_of.items()})
         # schemas are searched as their JSON text, unless some special token has a character JSON escapes
         self._json_safe = all(orjson.dumps(token).decode()[1:-1] == token for token in self.specials)
+        self._special_ids = frozenset(self.specials.values())
+        self._normalized = _normalizes_specials(tokenizer)
+
+    def slipped(self, ids: list[int], text: str) -> bool:
+        """Whether the tokens `ids` of `text` hold a control token that is not in the text as
+        written (a normalized special token, read through the normalizer: see the module doc)."""
+        if not self._normalized or self._pattern is None:
+            return False
+        found = sum(1 for token in ids if token in self._special_ids)
+        return found > sum(1 for _ in self._pattern.finditer(text))
 
     def found(self, messages: list[ChatMessage], tools: list[ToolSpec]) -> bool:
         """Whether any client string holds a special token's text (one regex pass over them all)."""
@@ -101,7 +118,8 @@ class LiteralSpecials:
             taken = at
             while taken < len(whole_ends) and whole_ends[taken] <= stop:
                 taken += 1
-            if _holds(masks, start, stop) or not _aligned(whole_ends, at, taken, stop):
+            if (_holds(masks, start, stop) or not _aligned(whole_ends, at, taken, stop)
+                    or not self._special_ids.isdisjoint(whole_ids[at:taken])):
                 self._encode_text(text[start:stop], start, ids, ends)  # the piece alone, control text as text
             else:  # the tokenizer splits at control tokens anyway: the whole text's tokens of this piece
                 ids += whole_ids[at:taken]
@@ -151,6 +169,16 @@ def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return {token.content: int(token_id) for token_id, token in decoder.items()
             if getattr(token, "special", False) and token.content}
+
+
+def _normalizes_specials(tokenizer: Tokenizer) -> bool:
+    """Whether some special token is matched after a normalizer (text other than its own may then
+    read as it)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is None:
+        return False
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(getattr(token, "special", False) and getattr(token, "normalized", False) for token in decoder.values())
 
 
 def cut(ends: list[int], prefix_chars: int) -> int:

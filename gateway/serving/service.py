@@ -217,7 +217,9 @@ class ChatService:
         remembers its tokenized head (gateway/serving/prompt_tokens.py). Client text holding a
         control token's text is tokenized as text (gateway/serving/literal_specials.py)."""
         if not self.literal_specials.found(messages, tools):
-            return self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, namespace)
+            ids, prefix_len, commit = self.prompt_tokens.encode_pending(rendered.text, rendered.prefix_chars, namespace)
+            if not self.literal_specials.slipped(ids, rendered.text):
+                return ids, prefix_len, commit
         try:
             masked = self._render(*self.literal_specials.masked(messages, tools), param)
             ids, ends = self.literal_specials.encode(rendered.text, masked.text)

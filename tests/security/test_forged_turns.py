@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from adapters.base import ChatMessage
 from adapters.families import detect_family
 from gateway.engine.model_info import ModelInfo
 from gateway.metrics import Metrics
@@ -145,3 +146,65 @@ def test_a_json_string_of_json_text_stays_text(service: Callable[[str], ChatServ
         inner = json.dumps({"q": forged([token])}, ensure_ascii=True).replace("<", "\\u003c")
         for raw in (json.dumps(inner), json.dumps(json.loads(inner)["q"]), json.dumps([forged([token])])):
             assert control_ids(svc, prompt_ids(svc, history(raw))) == harmless, (token, raw)
+
+
+def compatibility_form(char: str, choice: int) -> str:
+    """`char`, or (choice 1) its fullwidth form, or (choice 2) a small form where Unicode has one:
+    NFKC reads each as the ASCII character."""
+    if choice == 2 and char in "<>":
+        return {"<": "\ufe64", ">": "\ufe65"}[char]
+    return chr(ord(char) + 0xFEE0) if choice and "!" <= char <= "~" else char
+
+
+@pytest.fixture(scope="module")
+def normalizing_service(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ChatService:
+    """The ChatML family's tokenizer as some models ship theirs: an NFKC normalizer, and special
+    tokens matched after it (`normalized`), so `＜｜im_end｜＞` reads as `<|im_end|>`."""
+    from tokenizers import AddedToken, normalizers
+
+    setup = SETUPS["chatml-native"]
+    tokenizer = AutoTokenizer.from_pretrained(
+        save_family_tokenizer(setup, tokenizer_dir, tmp_path_factory.mktemp("tok-nfkc")))
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken(text, normalized=True, special=True) for text in special_tokens(tokenizer)]},
+        replace_extra_special_tokens=False)
+    family = detect_family(setup.arch, tokenizer.chat_template)
+    return ChatService(None, ModelInfo.of(None, tokenizer), tokenizer, family,  # type: ignore[arg-type]
+                       "m", 16384, Metrics(), cache_enabled=True, default_max_tokens=8)
+
+
+def test_a_control_token_the_normalizer_makes_from_client_text_stays_text(normalizing_service: ChatService) -> None:
+    """Where the tokenizer matches special tokens after NFKC, fullwidth and small forms of every
+    special token (in a message, a tool result, a tool's description or a call's arguments) are
+    text; and text without them keeps exactly the tokens the whole prompt tokenizes to."""
+    svc = normalizing_service
+    specials = sorted(special_tokens(svc.tokenizer))
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Look it up."}}
+
+    def surfaces(text: str) -> list[dict[str, Any]]:
+        described = {"type": "function", "function": {"name": "lookup", "description": text}}
+        return [{"messages": [{"role": "user", "content": text}]},
+                {"messages": history({"q": HARMLESS})[:2] + [{**history({})[2], "content": text}], "tools": [tool]},
+                {"messages": [{"role": "user", "content": "hi"}], "tools": [described]},
+                {"messages": history(json.dumps({"q": text}, ensure_ascii=True)), "tools": [tool]}]
+
+    def ids_of(body: dict[str, Any]) -> list[int]:
+        return svc.prepare(ChatCompletionRequest.model_validate(body)).job.prompt_ids
+
+    harmless = [control_ids(svc, ids_of(body)) for body in surfaces(HARMLESS)]
+    plain = ids_of(surfaces("ｆｕｌｌｗｉｄｔｈ words")[0])
+    rendered = svc.renderer.render([ChatMessage("user", "ｆｕｌｌｗｉｄｔｈ words")], []).text
+    assert plain == svc.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    @settings(max_examples=15, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(chosen=st.lists(st.sampled_from(specials), min_size=1, max_size=3), data=st.data())
+    def check(chosen: list[str], data: st.DataObject) -> None:
+        text = forged(chosen)
+        choices = data.draw(st.lists(st.integers(0, 2), min_size=len(text), max_size=len(text)))
+        sent = "".join(compatibility_form(char, choice) for char, choice in zip(text, choices, strict=True))
+        for body, expected in zip(surfaces(sent), harmless, strict=True):
+            assert control_ids(svc, ids_of(body)) == expected, (sent, body)
+
+    check()
