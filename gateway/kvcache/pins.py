@@ -210,11 +210,11 @@ class Pins:
         """Keep `digest` at least `seconds` from now, within the share of `tenant` (a namespace:
         recorded as its `tenant_label`). Never blocks on the file: the deadline is written in the
         background when it moved far enough."""
-        until = time.time() + seconds
+        now = time.time()
+        until = now + seconds
         with self._lock:
             hold = self._holds.setdefault(digest, Hold())
-            hold.retain_until = max(hold.retain_until, until)
-            hold.tenant = tenant_label(tenant)  # the latest request's tenant is charged
+            _charge(hold, until, tenant_label(tenant), now)
             self._version += 1
             if len(self._holds) > _MAX_RECORDS + _MAX_RECORDS // 8:  # trimmed now and then, not each time
                 drop_expired(self._holds)  # down to the file's bound: the biggest holders' first
@@ -356,8 +356,7 @@ class Pins:
         for digest, hold in self._holds.items():
             if hold.retain_until > now and not self._removed_elsewhere(digest, hold, on_file):
                 target = on_file.setdefault(digest, Hold())
-                if hold.retain_until >= target.retain_until:  # the latest retention's tenant is charged
-                    target.retain_until, target.tenant = hold.retain_until, hold.tenant
+                _charge(target, hold.retain_until, hold.tenant, now)
                 if not target.pinned:
                     target.num_bytes = target.num_bytes or hold.num_bytes
         return on_file
@@ -373,6 +372,18 @@ class Pins:
         with self._lock:
             return {digest: Hold(h.pinned, h.num_bytes, h.retain_until, h.tenant) for digest, h in self._holds.items()}
 
+
+
+def _charge(hold: Hold, until: float, tenant: str, now: float) -> None:
+    """Retain `hold` until `until` for `tenant` (a label). A live retention stays its tenant's: a
+    shared group (`shared_groups`: one digest for every key) another key retains too stays in the
+    first key's share, deadline and all (another key charging itself took the group out of that
+    share: its own flood then evicted the first key's retained group, issue 36). The same tenant,
+    or anyone once it ended, extends it."""
+    if hold.retain_until > now and hold.tenant != tenant:
+        return
+    if until >= hold.retain_until:
+        hold.retain_until, hold.tenant = until, tenant
 
 
 def _deadlines(holds: dict[str, Hold]) -> dict[str, float]:

@@ -137,3 +137,21 @@ def test_retention_never_protects_more_than_half_the_pool() -> None:
         store.insert(entry)
     assert store.lookup(entries["b"].key) is not None  # B's resend hits: A's oldest retention went
     assert store.lookup(a_entries[0].key) is None
+
+
+def test_another_keys_retention_of_a_shared_group_never_takes_it_out_of_its_share() -> None:
+    """A shared group (`shared_groups`) has one digest for every key. Key B retained it; key A
+    retained it too and was charged for it (the latest request's key), then flooded its own
+    retained groups: the shared group fell out of A's share and B's retention protected nothing."""
+    shared = make_entry([4242] * 16, seed=42)
+    size = shared.num_bytes
+    pins = Pins(None, retained_budget_bytes=4 * size)
+    pins.retain(shared.key.digest, 3600.0, tenant="key-B")
+    pins.note_bytes(shared.key.digest, size)
+    pins.retain(shared.key.digest, 7200.0, tenant="key-A")
+    for n in range(5):
+        digest = f"a{n:063x}"
+        pins.retain(digest, 7200.0 + n, tenant="key-A")
+        pins.note_bytes(digest, size)
+    assert pins.level(shared.key.digest) is Level.RETAINED
+    assert pins.retained()[shared.key.digest][0] == tenant_label("key-B")
