@@ -145,11 +145,7 @@ def _plan(args: argparse.Namespace) -> Plan:
                                                  ("concurrent_max_tokens", args.concurrent_max_tokens),
                                                  ("compile_tools", args.compile_tools),
                                                  ("conversations", args.conversations),
-                                                 ("agent_max_tokens", args.agent_max_tokens),
-                                                 ("history_tokens", args.history_tokens),
-                                                 ("history_window", args.history_window),
-                                                 ("history_turns", args.history_turns),
-                                                 ("constrained_max_tokens", args.constrained_max_tokens))
+                                                 ("agent_max_tokens", args.agent_max_tokens))
                                  if v is not None}
     if args.tool_counts:
         changes["tool_counts"] = _int_list("--tool-counts", args.tool_counts)
@@ -160,12 +156,10 @@ def _plan(args: argparse.Namespace) -> Plan:
         raise ValueError("the peer scenario needs --peer-url: the other server to measure beside this one")
     if min(plan.tools, plan.requests, plan.groups, *plan.clients, *plan.tool_counts, plan.requests_per_client,
            plan.mixed_groups, plan.concurrent_max_tokens, plan.compile_tools, plan.conversations,
-           plan.agent_max_tokens, plan.history_tokens, plan.history_window, plan.history_turns,
-           plan.constrained_max_tokens) < 1:
+           plan.agent_max_tokens) < 1:
         raise ValueError("--tools, --requests, --groups, --clients, --tool-counts, --requests-per-client, "
-                         "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations, "
-                         "--agent-max-tokens, --history-tokens, --history-window, --history-turns and "
-                         "--constrained-max-tokens must be at least 1")
+                         "--mixed-groups, --concurrent-max-tokens, --compile-tools, --conversations and "
+                         "--agent-max-tokens must be at least 1")
     return plan
 
 

@@ -1,7 +1,7 @@
 """What a scenario is, is given and gives back: the `Scenario` (how it runs and how the report shows
-it), the `Plan` (how many of everything), the `Context` (client, workload, the loaded trajectories,
-peer, callbacks) and the `ScenarioResult`. The scenario modules (the bench's and the lab's) import
-this one; it imports none of them.
+it), the `Plan` (how many of everything; the lab's own scenarios' counts are its `LabPlan`), the
+`Context` (client, workload, the loaded trajectories, peer, callbacks) and the `ScenarioResult`.
+The scenario modules (the bench's and the lab's) import this one; it imports none of them.
 """
 
 from __future__ import annotations
@@ -46,17 +46,6 @@ class Plan:
     conversations: int = 1  # agent: tau-bench conversations replayed, in (task, trial) order
     agent_max_tokens: int = 16
     agent_turns: int = 0  # requests the agent scenario sends: its conversations' turns, once loaded
-    history_tokens: int = 1_000_000  # history: prompt tokens to send, over all conversations
-    history_window: int = 16  # conversations live at once
-    history_turns: int = 8  # turns per conversation (~3,500 prompt tokens at the last with 5 tools)
-    history_words: int = 300  # words per user message (~310 tokens)
-    history_tools: int = 5
-    history_max_tokens: int = 4
-    constrained_max_tokens: int = 512  # a forced call or an answer cut by max_tokens is a failure
-    fleet_groups: int = 4  # fleet: groups interleaved, one request at a time
-    fleet_rounds: int = 5
-    fleet_clients: int = 4  # the hot group's clients and the balanced case's (one group each)
-    fleet_requests_per_client: int = 3  # measured, after a warming round
     peer_groups: int = 2  # peer: groups sent cold to both servers, then repeated
     peer_hits: int = 4  # repeats per group, with new questions
     peer_decode_requests: int = 3  # one stream at a time, for decode ms/token
@@ -68,7 +57,7 @@ class Plan:
         return cls(tools=tools, tool_counts=(5, 10, 20), hits_per_count=1, requests=3, misses=2, bypass=0,
                    groups=2, rounds=2, clients=(1, 4), requests_per_client=1, mixed_groups=2,
                    concurrent_max_tokens=8, compile_tools=tools, alone_hits=2, soak_requests=100, soak_groups=4,
-                   history_tokens=100_000, fleet_requests_per_client=2, peer_groups=1, peer_hits=2,
+                   peer_groups=1, peer_hits=2,
                    peer_decode_requests=1, peer_decode_tokens=16, peer_clients=(1, 4))
 
 

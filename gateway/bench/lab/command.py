@@ -30,6 +30,7 @@ from gateway.bench.lab.floor import (
 from gateway.bench.lab.floor_report import FLOOR_SHARES_CPU, floor_dict, floor_lines
 from gateway.bench.lab.hostile import spawn_bounds as hostile_spawn_bounds
 from gateway.bench.lab.hostile import spawn_env as hostile_spawn_env
+from gateway.bench.lab.plan import LabPlan
 from gateway.bench.lab.scenarios import lab_scenarios
 from gateway.bench.lab.targets import check_lines, checks, targets
 from gateway.bench.workload import Workload
@@ -46,14 +47,20 @@ def run(args: argparse.Namespace) -> int:
     except RowsError as exc:
         Console(stderr=True).print(f"toolkv bench: {exc}")
         return 2
-    return run_bench(args, LabSuite(args, rows))
+    try:
+        plan = LabPlan.of(args)
+    except ValueError as exc:
+        Console(stderr=True).print(f"toolkv bench: {exc}")
+        return 2
+    return run_bench(args, LabSuite(args, plan, rows))
 
 
 class LabSuite:
     """The lab as command.run sees it (command.Suite)."""
 
-    def __init__(self, args: argparse.Namespace, rows: ConstrainedRows | None) -> None:
-        self.scenarios: Mapping[str, Scenario] = lab_scenarios(args, rows)
+    def __init__(self, args: argparse.Namespace, plan: LabPlan, rows: ConstrainedRows | None) -> None:
+        self.plan = plan
+        self.scenarios: Mapping[str, Scenario] = lab_scenarios(args, plan, rows)
         self.check = bool(args.check)
         self.floors: dict[int, FloorResult] = {}
         self.floor_skipped: str | None = None
@@ -61,7 +68,7 @@ class LabSuite:
 
     def spawn_env(self, args: argparse.Namespace, names: list[str], plan: Plan) -> tuple[dict[str, str],
                                                                                           dict[str, str]]:
-        return _spawn_env(args, names, plan), _hostile_keys(args, names)
+        return _spawn_env(args, names, self.plan), _hostile_keys(args, names)
 
     async def after(self, args: argparse.Namespace, served: str | None, plan: Plan, results: list[ScenarioResult],
                     client: BenchClient, workload: Workload, console: Console) -> Floors:
@@ -90,7 +97,7 @@ class LabSuite:
         return check_lines(found), 1 if any(c.result == "missed" for c in found) else 0
 
 
-def _spawn_env(args: argparse.Namespace, names: list[str], plan: Plan) -> dict[str, str]:
+def _spawn_env(args: argparse.Namespace, names: list[str], plan: LabPlan) -> dict[str, str]:
     """Settings a spawned server gets for the scenarios named (reported in the JSON's meta): for
     the fleet scenario, its ingress spills a group's requests to the second replica once half the
     hot group's clients are in flight on the home; for hostile-soak, small memory bounds

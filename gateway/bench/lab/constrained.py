@@ -111,10 +111,10 @@ def request_body(kind: str, row: Row, *, model: str | None, max_tokens: int, bou
     return body
 
 
-async def run_constrained(ctx: Context, rows: ConstrainedRows) -> ScenarioResult:
+async def run_constrained(ctx: Context, rows: ConstrainedRows, max_tokens: int) -> ScenarioResult:
     """Each kind over its rows, one request at a time; /metrics read around each kind."""
     name = "constrained"
-    result = ScenarioResult(name, details={"max_tokens": ctx.plan.constrained_max_tokens, "bounded": rows.bounded,
+    result = ScenarioResult(name, details={"max_tokens": max_tokens, "bounded": rows.bounded,
                                            "rows": [_row_dict(r) for r in rows.tools],
                                            "schema_rows": [_schema_dict(r) for r in rows.schemas], "cost": {}})
     start = await ctx.client.metrics()
@@ -123,7 +123,7 @@ async def run_constrained(ctx: Context, rows: ConstrainedRows) -> ScenarioResult
             continue
         before = await ctx.client.metrics()
         for row in rows.of_kind(kind):
-            result.samples.append(await _send(ctx, kind, row, rows.bounded))
+            result.samples.append(await _send(ctx, kind, row, rows.bounded, max_tokens))
         result.details["cost"][kind] = grammar_cost(before, await ctx.client.metrics())
     result.details["cost"]["all"] = grammar_cost(start, await ctx.client.metrics())
     if result.details["cost"]["all"]["constrained_tokens"] is None:
@@ -134,11 +134,11 @@ async def run_constrained(ctx: Context, rows: ConstrainedRows) -> ScenarioResult
     return result
 
 
-async def _send(ctx: Context, kind: str, row: Row, bounded: bool) -> Sample:
+async def _send(ctx: Context, kind: str, row: Row, bounded: bool, max_tokens: int) -> Sample:
     tools = row.tools if isinstance(row, ToolRow) else ()
     group, offset = (row.group, row.offset) if isinstance(row, ToolRow) else ("answers", 0)
     sample = Sample("constrained", group, len(tools), offset, "any", False, 0.0, tags={"kind": kind, "row": row.id})
-    body = request_body(kind, row, model=ctx.workload.model, max_tokens=ctx.plan.constrained_max_tokens,
+    body = request_body(kind, row, model=ctx.workload.model, max_tokens=max_tokens,
                         bounded=bounded)
     answer: Answer | None = None
     try:

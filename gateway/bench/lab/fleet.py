@@ -30,7 +30,7 @@ from typing import Any
 from adapters.base import ToolGroup as PromptGroup
 from adapters.base import ToolSpec
 from gateway.bench.client import BenchClient, Expected, Sample
-from gateway.bench.context import Context, Plan, ScenarioResult
+from gateway.bench.context import Context, ScenarioResult
 from gateway.bench.lab.baselines import BaselineFleet
 from gateway.bench.lab.fleet_metrics import (
     ROUTED,
@@ -42,6 +42,7 @@ from gateway.bench.lab.fleet_metrics import (
     spread,
     upstreams_of,
 )
+from gateway.bench.lab.plan import LabPlan
 from gateway.bench.server import ServerFailed
 from gateway.bench.workload import ToolGroup, WorkloadError
 from gateway.edge.auth import tenant_salt as key_salt
@@ -50,14 +51,14 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 MAX_CANDIDATES = 64  # groups ranked to find the balanced case's even split (each home is a coin toss)
 
 
-def planned(plan: Plan) -> int:
+def planned(plan: LabPlan) -> int:
     """Requests the scenario sends (baseline included), for the progress bar."""
     sequence = plan.fleet_groups * plan.fleet_rounds
     return 2 * sequence + plan.fleet_clients * (2 + 2 * plan.fleet_requests_per_client)
 
 
-async def run_fleet(ctx: Context, fleet_baseline: BaselineFleet | None) -> ScenarioResult:
-    name, plan = "fleet", ctx.plan
+async def run_fleet(ctx: Context, plan: LabPlan, fleet_baseline: BaselineFleet | None) -> ScenarioResult:
+    name = "fleet"
     upstreams = upstreams_of(await ctx.client.metrics())
     if len(upstreams) < 2:
         ctx.on_skip(planned(plan))
@@ -68,23 +69,23 @@ async def run_fleet(ctx: Context, fleet_baseline: BaselineFleet | None) -> Scena
         "replicas": [replica_name(u) for u in upstreams], "groups": plan.fleet_groups, "rounds": plan.fleet_rounds,
         "clients": plan.fleet_clients, "requests_per_client": plan.fleet_requests_per_client})
     try:
-        result.samples += await interleave(ctx, ctx.client, "interleaved", "")
-        result.samples += await hot_group(ctx, result.details)
-        result.samples += await balanced(ctx, upstreams, result.details)
+        result.samples += await interleave(ctx, plan, ctx.client, "interleaved", "")
+        result.samples += await hot_group(ctx, plan, result.details)
+        result.samples += await balanced(ctx, plan, upstreams, result.details)
     except WorkloadError as exc:
         ctx.on_skip(planned(plan) - len(result.samples))
         return ScenarioResult(name, skipped=str(exc))
-    result.samples += await baseline(ctx, fleet_baseline, result.details)
+    result.samples += await baseline(ctx, plan, fleet_baseline, result.details)
     if not any(s.tags.get("compiled_on") is not None for s in result.samples):
         result.notes.append("the ingress's /metrics has no replica-labelled series: compiles per replica unknown")
     return result
 
 
-async def interleave(ctx: Context, client: BenchClient, part: str, prefix: str) -> list[Sample]:
+async def interleave(ctx: Context, plan: LabPlan, client: BenchClient, part: str, prefix: str) -> list[Sample]:
     """`fleet_groups` groups x `fleet_rounds` rounds, one request at a time, round r starting at
     group r; each sample tagged with the replicas it was routed to and those that compiled."""
-    plan = ctx.plan
-    groups = [ctx.workload.group(f"{prefix}{chr(ord('A') + k)}", plan.tools, offset=k * plan.tools)
+    tools = ctx.plan.tools
+    groups = [ctx.workload.group(f"{prefix}{chr(ord('A') + k)}", tools, offset=k * tools)
               for k in range(plan.fleet_groups)]
     samples = []
     before = await client.metrics()
@@ -98,9 +99,8 @@ async def interleave(ctx: Context, client: BenchClient, part: str, prefix: str) 
     return samples
 
 
-async def hot_group(ctx: Context, details: dict[str, Any]) -> list[Sample]:
-    plan = ctx.plan
-    clients = [ctx.workload.group("hot", plan.tools)] * plan.fleet_clients
+async def hot_group(ctx: Context, plan: LabPlan, details: dict[str, Any]) -> list[Sample]:
+    clients = [ctx.workload.group("hot", ctx.plan.tools)] * plan.fleet_clients
     before = await ctx.client.metrics()
     samples = await in_rounds(ctx, "hot", clients, 1, "warm")
     warmed = await ctx.client.metrics()
@@ -109,11 +109,10 @@ async def hot_group(ctx: Context, details: dict[str, Any]) -> list[Sample]:
     return samples
 
 
-async def balanced(ctx: Context, upstreams: tuple[str, ...], details: dict[str, Any]) -> list[Sample]:
+async def balanced(ctx: Context, plan: LabPlan, upstreams: tuple[str, ...], details: dict[str, Any]) -> list[Sample]:
     """Groups whose homes split evenly, each warmed on its own, then the clients' rounds."""
-    plan = ctx.plan
     homes = balanced_groups(ctx, upstreams, plan.fleet_clients)
-    groups = [ctx.workload.group(label, plan.tools) for label in homes]
+    groups = [ctx.workload.group(label, ctx.plan.tools) for label in homes]
     samples = []
     before = await ctx.client.metrics()
     for group in groups:
@@ -126,35 +125,35 @@ async def balanced(ctx: Context, upstreams: tuple[str, ...], details: dict[str, 
     return samples
 
 
-async def baseline(ctx: Context, fleet: BaselineFleet | None, details: dict[str, Any]) -> list[Sample]:
+async def baseline(ctx: Context, plan: LabPlan, fleet: BaselineFleet | None, details: dict[str, Any]) -> list[Sample]:
     """The interleaved part again on the round-robin fleet, on groups of its own."""
     if fleet is None:
-        ctx.on_skip(ctx.plan.fleet_groups * ctx.plan.fleet_rounds)
+        ctx.on_skip(plan.fleet_groups * plan.fleet_rounds)
         details["baseline"] = {"skipped": "no baseline fleet: pass --baseline-url (a fleet started with "
                                           "--upstream-routing round_robin --replica-cache separate), or use --spawn"}
         return []
     details["baseline"] = {"skipped": None, "fleet": fleet.description}
     try:
-        return await baseline_run(ctx, await fleet.start(), details["baseline"])
+        return await baseline_run(ctx, plan, await fleet.start(), details["baseline"])
     except ServerFailed as exc:
-        ctx.on_skip(ctx.plan.fleet_groups * ctx.plan.fleet_rounds)
+        ctx.on_skip(plan.fleet_groups * plan.fleet_rounds)
         details["baseline"]["skipped"] = str(exc)
         return []
     finally:
         await fleet.stop()
 
 
-async def baseline_run(ctx: Context, url: str, out: dict[str, Any]) -> list[Sample]:
+async def baseline_run(ctx: Context, plan: LabPlan, url: str, out: dict[str, Any]) -> list[Sample]:
     client = ctx.client.sibling(url)
     try:
         before = await client.metrics()
         upstreams = upstreams_of(before)
         out["replicas"] = [replica_name(u) for u in upstreams]
         if len(upstreams) < 2:
-            ctx.on_skip(ctx.plan.fleet_groups * ctx.plan.fleet_rounds)
+            ctx.on_skip(plan.fleet_groups * plan.fleet_rounds)
             out["skipped"] = f"the baseline at {url} is no fleet: its /metrics names {len(upstreams)} upstreams"
             return []
-        samples = await interleave(ctx, client, "baseline", "RR-")
+        samples = await interleave(ctx, plan, client, "baseline", "RR-")
         out["routes"] = grown(before, await client.metrics(), ROUTED, "route")
         return samples
     finally:

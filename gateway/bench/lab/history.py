@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.bench.client import BenchClient, ContextTooLong, Sample
-from gateway.bench.context import Context, Plan, ScenarioResult
+from gateway.bench.context import Context, ScenarioResult
+from gateway.bench.lab.plan import LabPlan
 
 ASSISTANT_REPLY = "Noted. Tell me more."
 _WORDS = (
@@ -145,13 +146,13 @@ def _whole(value: Any) -> int | None:
     return None if value is None else round(float(value))
 
 
-async def run_history(ctx: Context) -> ScenarioResult:
+async def run_history(ctx: Context, plan: LabPlan) -> ScenarioResult:
     """Distinct synthetic conversations on one tool group (history.HistoryChats: `history_window`
     live at once, each request a turn of one picked at random), until the prompt tokens sent reach
     `history_tokens`. After every tenth of them the server's /metrics is read: RSS, conversation
     records, KV blocks. The KV pool is allocated up front and every record lives in it, so once the
     pool is warm RSS stays flat however much history goes through; records are evicted instead."""
-    name, plan = "history", ctx.plan
+    name = "history"
     group = ctx.workload.group("history", plan.history_tools)
     chats = HistoryChats(ctx.workload.run_id, window=plan.history_window, turns=plan.history_turns,
                          words=plan.history_words)
@@ -183,7 +184,7 @@ async def run_history(ctx: Context) -> ScenarioResult:
     return result
 
 
-def _history_details(plan: Plan, samples: list[Sample], sent: int, readings: list[dict[str, Any]]) -> dict[str, Any]:
+def _history_details(plan: LabPlan, samples: list[Sample], sent: int, readings: list[dict[str, Any]]) -> dict[str, Any]:
     rss = [r["rss_mb"] for r in readings if r["rss_mb"] is not None]
     return {"history_tokens": plan.history_tokens, "tokens_sent": sent,
             "conversations": len({s.tags["conversation"] for s in samples}),

@@ -22,6 +22,7 @@ from gateway.bench.lab.history import expected_requests, run_history
 from gateway.bench.lab.history_report import history_lines, history_plot, history_stats
 from gateway.bench.lab.hostile import hostile_lines, run_hostile_soak
 from gateway.bench.lab.hostile import planned as hostile_planned
+from gateway.bench.lab.plan import LabPlan
 from gateway.bench.names import LAB_SCENARIO_NAMES
 from gateway.bench.scenarios import SCENARIOS
 
@@ -31,27 +32,28 @@ def _details_only(result: ScenarioResult, floors: Floors) -> dict[str, Any]:
     return {}
 
 
-def lab_scenarios(args: argparse.Namespace, rows: ConstrainedRows | None) -> dict[str, Scenario]:
-    """The bench's scenarios and the lab's; `rows`: the constrained scenario's, when it runs."""
+def lab_scenarios(args: argparse.Namespace, plan: LabPlan, rows: ConstrainedRows | None) -> dict[str, Scenario]:
+    """The bench's scenarios and the lab's, counted by `plan`; `rows`: the constrained scenario's, when it runs."""
 
     async def constrained(ctx: Context) -> ScenarioResult:
         if rows is None:
             return ScenarioResult("constrained", skipped="no rows loaded")
-        return await run_constrained(ctx, rows)
+        return await run_constrained(ctx, rows, plan.constrained_max_tokens)
 
     async def fleet(ctx: Context) -> ScenarioResult:
-        return await run_fleet(ctx, baseline_for(args, ctx))
+        return await run_fleet(ctx, plan, baseline_for(args, ctx))
 
     lab = {s.name: s for s in (
-        Scenario("history", run_history, lambda p: expected_requests(p.history_tokens, tools=p.history_tools,
-                                                                     turns=p.history_turns, words=p.history_words),
+        Scenario("history", lambda ctx: run_history(ctx, plan),
+                 lambda p: expected_requests(plan.history_tokens, tools=plan.history_tools, turns=plan.history_turns,
+                                             words=plan.history_words),
                  lambda r, f: history_stats(r.samples), lines=lambda s: history_lines(s["history"]),
                  plot=history_plot),
         Scenario("constrained", constrained, lambda p: rows.num_requests if rows is not None else 0,
                  lambda r, f: constrained_stats(r.samples, r.details),
                  table=lambda s: constrained_table(s["constrained"]),
                  lines=lambda s: constrained_lines(s["constrained"])),
-        Scenario("fleet", fleet, fleet_planned, lambda r, f: fleet_stats(r.samples, r.details),
+        Scenario("fleet", fleet, lambda p: fleet_planned(plan), lambda r, f: fleet_stats(r.samples, r.details),
                  table=lambda s: fleet_table(s["fleet"]), lines=lambda s: fleet_lines(s["fleet"])),
         Scenario("hostile-soak", run_hostile_soak, hostile_planned, _details_only,
                  lines=lambda s: hostile_lines(s["hostile-soak"])),

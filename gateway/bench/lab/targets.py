@@ -71,6 +71,12 @@ def _growth(part: dict[str, Any], first_key: str) -> str:
     return "-" if growth is None or not first else f"{growth:+,.0f} MB ({growth / first:+.1%} of {first:,.0f} MB)"
 
 
+def _ratio(name: str, measures: str, scenario: str, key: str, bar: float) -> Target:
+    """A target on one ratio a scenario measured: at most `bar`."""
+    return Target(name, measures, f"<= {bar:g}x", lambda s, r: _at_most(_ran(s, scenario).get(key), bar),
+                  lambda s, r: _x(_ran(s, scenario).get(key)))
+
+
 def _ran(s: Scenarios, name: str) -> dict[str, Any]:
     """A scenario's numbers when it ran (empty when it did not or was skipped)."""
     part = s.get(name, {})
@@ -170,10 +176,8 @@ TARGETS = (
     Target("hit_ttft_4_clients_at_most_2x", "hit TTFT p50 at 4 clients over 1, one group", f"<= {TTFT_RATIO_4:g}x",
            lambda s, r: _at_most(_one_group(s).get("hit_ttft_p50_4_over_1"), TTFT_RATIO_4),
            lambda s, r: _x(_one_group(s).get("hit_ttft_p50_4_over_1"))),
-    Target("hit_ttft_during_compile_at_most_4x", "hit TTFT p50 while another group compiles over alone",
-           f"<= {COMPILE_OVERLAP:g}x",
-           lambda s, r: _at_most(_ran(s, "compile-overlap").get("during_over_alone"), COMPILE_OVERLAP),
-           lambda s, r: _x(_ran(s, "compile-overlap").get("during_over_alone"))),
+    _ratio("hit_ttft_during_compile_at_most_4x", "hit TTFT p50 while another group compiles over alone",
+           "compile-overlap", "during_over_alone", COMPILE_OVERLAP),
     Target("rss_flat_over_soak", "server RSS over the soak", f"at most {SOAK_RSS_GROWTH:.0%}",
            lambda s, r: _growth_within(_ran(s, "soak"), "rss_first_mb", SOAK_RSS_GROWTH),
            lambda s, r: _growth(_ran(s, "soak"), "rss_first_mb")),
@@ -194,14 +198,10 @@ TARGETS = (
            lambda s, r: f"{_inter(s).get('groups_compiled_once', '-')} of {len(_inter(s).get('by_group', {}))}"),
     Target("fleet_hot_spreads", "fleet: replicas a hot group's requests reached", "more than one", _fleet_spreads,
            lambda s, r: str(len(_ran(s, "fleet").get("hot", {}).get("replicas_reached", [])))),
-    Target("fleet_hot_p95_within_2x_balanced", "fleet: the hot group's hit TTFT p95 over the balanced case's",
-           f"<= {HOT_OVER_BALANCED_P95:g}x",
-           lambda s, r: _at_most(_ran(s, "fleet").get("hot_over_balanced_p95"), HOT_OVER_BALANCED_P95),
-           lambda s, r: _x(_ran(s, "fleet").get("hot_over_balanced_p95"))),
-    Target("hostile_b_within_2x", "hostile-soak: key B's latency p50 under attack over alone",
-           f"<= {HOSTILE_B_RATIO:g}x",
-           lambda s, r: _at_most(_ran(s, "hostile-soak").get("b_ratio_p50"), HOSTILE_B_RATIO),
-           lambda s, r: _x(_ran(s, "hostile-soak").get("b_ratio_p50"))),
+    _ratio("fleet_hot_p95_within_2x_balanced", "fleet: the hot group's hit TTFT p95 over the balanced case's",
+           "fleet", "hot_over_balanced_p95", HOT_OVER_BALANCED_P95),
+    _ratio("hostile_b_within_2x", "hostile-soak: key B's latency p50 under attack over alone",
+           "hostile-soak", "b_ratio_p50", HOSTILE_B_RATIO),
     Target("hostile_rss_bounded", "hostile-soak: server RSS", f"at most {HOSTILE_RSS_GROWTH:.0%}",
            lambda s, r: _growth_within(_ran(s, "hostile-soak"), "rss_start_mb", HOSTILE_RSS_GROWTH),
            lambda s, r: _growth(_ran(s, "hostile-soak"), "rss_start_mb")),

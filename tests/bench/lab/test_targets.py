@@ -13,6 +13,7 @@ from gateway.bench.context import ScenarioResult
 from gateway.bench.lab.command import LabSuite
 from gateway.bench.lab.floor import FloorResult, server_is_local
 from gateway.bench.lab.floor_report import floor_dict
+from gateway.bench.lab.plan import LabPlan
 from gateway.bench.lab.targets import TARGETS, check_lines, checks, targets
 from gateway.bench.options import register
 from gateway.bench.report import block, build_report
@@ -36,7 +37,8 @@ def _lab_report(result: ScenarioResult, floors: dict[int, FloorResult], *, share
     """The report as the lab finishes it, its floor measured beside the server or not."""
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    suite = LabSuite(parser.parse_args(["bench", "--lab", "--base-url", "http://127.0.0.1:1"]), None)
+    args = parser.parse_args(["bench", "--lab", "--base-url", "http://127.0.0.1:1"])
+    suite = LabSuite(args, LabPlan.of(args), None)
     suite.floors, suite.shares_cpu = floors, shares_cpu
     report = build_report({}, [result], suite.scenarios, suite.probe_floors())
     suite.finish(report)

@@ -23,14 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.toolcalls.base import (
-    ContentDelta,
-    StreamDelta,
-    ToolCallArgsDelta,
-    ToolCallStart,
-    ToolCallStreamer,
-    marker_prefix_len,
-)
+from adapters.toolcalls import base as stream
+from adapters.toolcalls.base import StreamDelta, ToolCallStreamer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,17 +41,59 @@ class ParsedOutput:
 
 
 class ToolCallParser(ABC):
-    """Turns one model output into content and tool calls; one subclass per syntax."""
+    """Turns one model output into content and tool calls; one subclass per syntax, which says
+    when an output holds calls and how to split it into content and calls."""
 
     name: str
 
-    @abstractmethod
     def parse(self, text: str) -> ParsedOutput:
-        """Parse a whole output."""
+        """Parse a whole output: plain, failed as a whole, or content and calls."""
+        if not self.has_calls(text):
+            return plain(text)
+        try:
+            parts, calls = self.split(text)
+        except ParseError:
+            return failed(text)
+        return succeeded(parts, calls)
+
+    @abstractmethod
+    def has_calls(self, text: str) -> bool:
+        """The output looks like a call (it has the syntax's opening)."""
+
+    @abstractmethod
+    def split(self, text: str) -> tuple[list[str], list[ParsedToolCall]]:
+        """The text segments outside the calls, and the calls; ParseError when one is broken."""
 
     @abstractmethod
     def streamer(self) -> ToolCallStreamer:
         """A fresh incremental parser for one generation."""
+
+
+class BlockParser(ToolCallParser):
+    """Syntaxes whose calls stand in blocks, each opened by `marker`, with content around them."""
+
+    marker: str
+
+    def has_calls(self, text: str) -> bool:
+        return self.marker in text
+
+    def split(self, text: str) -> tuple[list[str], list[ParsedToolCall]]:
+        parts: list[str] = []
+        calls: list[ParsedToolCall] = []
+        pos = 0
+        while (start := text.find(self.marker, pos)) >= 0:
+            parts.append(text[pos:start])
+            block_calls, pos = self.read_block(text, start + len(self.marker))
+            calls += block_calls
+        parts.append(text[pos:])
+        return parts, calls
+
+    @abstractmethod
+    def read_block(self, text: str, pos: int) -> tuple[list[ParsedToolCall], int]:
+        """The calls of the block whose body starts at `pos`, and the index after the block."""
+
+    def streamer(self) -> ToolCallStreamer:
+        return MarkerStreamer(self, self.marker)
 
 
 class ParseError(ValueError):
@@ -177,7 +213,7 @@ class BufferedStreamer(ToolCallStreamer):
         self._in_calls = calls_start
         text = head if self._emitted else head.lstrip()
         self._emitted += len(text)
-        return [ContentDelta(text)] if text else []
+        return [stream.ContentDelta(text)] if text else []
 
     def finish(self) -> list[StreamDelta]:
         if self._done:
@@ -187,9 +223,9 @@ class BufferedStreamer(ToolCallStreamer):
         self._failed = result.parse_failed
         self._saw_call = bool(result.tool_calls)
         rest = (result.content or "")[self._emitted:]  # what was emitted is a prefix of it
-        out: list[StreamDelta] = [ContentDelta(rest)] if rest else []
+        out: list[StreamDelta] = [stream.ContentDelta(rest)] if rest else []
         for index, call in enumerate(result.tool_calls):
-            out += [ToolCallStart(index, call.name), ToolCallArgsDelta(index, call.arguments)]
+            out += [stream.ToolCallStart(index, call.name), stream.ToolCallArgsDelta(index, call.arguments)]
         return out
 
 
@@ -204,4 +240,4 @@ class MarkerStreamer(BufferedStreamer):
         found = pending.find(self._marker)
         if found >= 0:
             return found, True
-        return len(pending) - marker_prefix_len(pending, self._marker), False
+        return len(pending) - stream.marker_prefix_len(pending, self._marker), False

@@ -7,20 +7,7 @@ whitespace, with nothing else. Such an output never has content.
 
 from __future__ import annotations
 
-from tests.support.toolcalls.base import (
-    BufferedStreamer,
-    ParsedOutput,
-    ParsedToolCall,
-    ParseError,
-    ToolCallParser,
-    ToolCallStreamer,
-    decode_at,
-    failed,
-    make_call,
-    plain,
-    skip_ws,
-    succeeded,
-)
+from tests.support.toolcalls.base import BufferedStreamer, ParsedToolCall, ToolCallParser, decode_at, make_call, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -30,17 +17,13 @@ class Llama3Parser(ToolCallParser):
 
     name = "llama3"
 
-    def parse(self, text: str) -> ParsedOutput:
-        body = text.strip()
-        if not _looks_like_call(body):
-            return plain(text)
-        try:
-            calls = _read_calls(body)
-        except ParseError:
-            return failed(text)
-        return succeeded([], calls)
+    def has_calls(self, text: str) -> bool:
+        return _looks_like_call(text.strip())
 
-    def streamer(self) -> ToolCallStreamer:
+    def split(self, text: str) -> tuple[list[str], list[ParsedToolCall]]:
+        return [], _read_calls(text.strip())  # a call output has no content
+
+    def streamer(self) -> Llama3Streamer:
         return Llama3Streamer(self)
 
 
