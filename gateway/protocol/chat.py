@@ -29,19 +29,12 @@ from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
     Lenient,
-    Metadata,
     ObjectSchema,
-    UnsupportedField,
+    SamplingFields,
     UnsupportedValue,
     implicit_caching,
-    options_need_a_stream,
 )
-from gateway.protocol.generation import CHAT_FIELDS, FUNCTIONS_FIELDS, FieldNames, GenerationRequest, Sampling
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGIT_BIAS = 100.0
-PROMPT_CACHE_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
-MAX_TOKEN_ID_DIGITS = 20  # no vocabulary is near 10**20 tokens; longer keys would not even parse as an int
+from gateway.protocol.generation import CHAT_FIELDS, FUNCTIONS_FIELDS, FieldNames, GenerationRequest
 
 
 class TextPart(Lenient):
@@ -178,10 +171,6 @@ class ResponseFormat(Lenient):
         return None
 
 
-class StreamOptions(Lenient):
-    include_usage: bool = False
-
-
 # OpenAI fields that are not implemented, each with the values that ask for nothing (accepted).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "audio": lambda v: False,
@@ -195,83 +184,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "service_tier": lambda v: v in ("auto", "default"),
     "prompt_cache_options": implicit_caching,
 }
-
-
-class SamplingFields(Lenient):
-    """The fields chat and legacy completions share: the model, sampling, stops, streaming and
-    the cache hints, validated the same way for both."""
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the likeliest token alone, as OpenAI allows
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's seed is an int64
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    prompt_cache_key: str | None = None  # accepted; routes the request in proxy mode and the fleet
-    # "24h": the tool group stays cached at least a day (not evicted by LRU); "in_memory": plain LRU
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    user: str | None = None
-    safety_identifier: str | None = Field(None, max_length=64)  # as `user`: for the caller's own records
-    metadata: Metadata | None = None  # OpenAI keeps it with stored objects: none here
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    # Fields not implemented, each with the values that ask for nothing (accepted): a 400 otherwise
-    unsupported: ClassVar[dict[str, Any]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, is_noop in cls.unsupported.items():
-                value = data.get(name)
-                if value is not None and not is_noop(value):
-                    raise UnsupportedField(name)
-        return data
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        return check_logit_bias(bias)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    _options_need_a_stream = field_validator("stream_options")(options_need_a_stream)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stop
-
-    @property
-    def stop_sequences(self) -> tuple[str, ...]:
-        """The stop strings (an empty one stops nothing: it is dropped)."""
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return tuple(s for s in stops if s)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def retention_s(self) -> float:
-        """How long the tool group is kept at least (0: LRU alone decides)."""
-        return PROMPT_CACHE_RETENTION_S if self.prompt_cache_retention == "24h" else 0.0
-
-    def sampling(self, *, logprobs: bool = False, top_logprobs: int = 0) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop_sequences,
-                        frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                        logit_bias=self.logit_bias, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -381,19 +293,6 @@ def tool_choice_of(choice: Literal["none", "auto", "required"] | NamedToolChoice
     if isinstance(choice, NamedToolChoice):
         return generation.ToolChoice("required", named=choice.function.name)
     return generation.ToolChoice(choice or "auto")
-
-
-def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
-    """`logit_bias` keys are token ids written in decimal, values in [-100, 100] (as OpenAI); whether
-    an id exists in this model's vocabulary is checked by the service."""
-    for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdigit()):
-            raise ValueError(f"the key '{key[:20]}' is not a token id (token ids are written as \"1234\")")
-        if len(key) > MAX_TOKEN_ID_DIGITS:
-            raise ValueError(f"the key '{key[:20]}...' has {len(key)} digits: no model has a token id that large")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ValueError(f"the bias of token {key} is {value}; biases are from -100 to 100")
-    return bias
 
 
 def _text_of(content: str | list[TextPart] | None) -> str | None:

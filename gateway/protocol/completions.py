@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from gateway.protocol.chat import SamplingFields
+from gateway.protocol.fields import SamplingFields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_LOGPROBS = 5  # OpenAI's limit for this endpoint

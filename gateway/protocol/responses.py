@@ -18,10 +18,10 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from adapters.base import FUNCTION_NAME_PATTERN, ChatMessage, ToolCallIn, ToolSpec
 from gateway.protocol import generation
-from gateway.protocol.chat import PROMPT_CACHE_RETENTION_S
 from gateway.protocol.fields import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
+    PROMPT_CACHE_RETENTION_S,
     InvalidValue,
     Lenient,
     Metadata,
