@@ -157,8 +157,8 @@ def test_the_bench_never_imports_its_lab_but_to_run_it() -> None:
 def test_serving_owns_its_grammars_and_takes_the_engines_job_types_from_its_package() -> None:
     """The grammars' text and compiled cache are serving's (gateway/serving/grammar_text.py,
     grammars.py); what a job carries (SamplingParams, Constraint, TokenLogprob, Tokenizer) serving
-    takes from `gateway.engine`, never from the engine's sampling, constraints or chunks modules."""
-    internal = {"gateway.engine.sampling", "gateway.engine.constraints", "gateway.engine.chunks",
+    takes from `gateway.engine`, never from the engine's sampling, constraints or prefix_index modules."""
+    internal = {"gateway.engine.sampling", "gateway.engine.constraints", "gateway.engine.prefix_index",
                 "gateway.engine.grammar_text"}
     bad = [i for i in _imported_names("gateway.serving", with_types=True) if i.target in internal]
     assert not bad, bad

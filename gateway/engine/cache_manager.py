@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from gateway.engine.chunks import chunk_ends
 from gateway.engine.events import CacheResult, Job, WarmGroup
-from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes
+from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes, chunk_ends
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun
 from gateway.kvcache.entry import CacheEntry
@@ -73,7 +72,7 @@ class KVCacheManager:
         self.identity = identity
         self.chunk_tokens = chunk_tokens
         self.min_prefix_tokens = min_prefix_tokens
-        self.turn_opening = turn_opening  # where prompt chunks are cut (chunks.py)
+        self.turn_opening = turn_opening  # where prompt chunks are cut (prefix_index.py)
         self.conversation_reuse = conversation_reuse  # keep finished prompts' KV for the next turn, and use it
         self.pool_only = pool_only  # the kernels read only the pool: a disk entry must be placed in it
         self.conversations = Conversations(pool.block_tokens)
@@ -283,7 +282,7 @@ class KVCacheManager:
     def keep_turn(self, seq: Sequence) -> None:
         """Index the prompt KV of a finished sequence for its conversation's next turn. Only the
         prompt: the generated tokens' KV came from decode passes, and the next turn's prompt would
-        compute them in a prefill chunk, with other bits (engine/chunks.py)."""
+        compute them in a prefill chunk, with other bits (engine/prefix_index.py)."""
         job = seq.job
         own_tokens = len(seq.prompt) - seq.group_len
         if not self.conversation_reuse or not job.use_cache or seq.phase is not Phase.DECODE or own_tokens <= 0:

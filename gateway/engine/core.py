@@ -2,7 +2,7 @@
 served by continuous batching on one worker thread, so the event loop never blocks on torch.
 
 The loop (`_run`) takes new work between steps (jobs wait in a bounded inbox, 429 past
-`max_queue`, intake.py; tasks run on this thread as they come), then runs `step`, which reads as
+`max_queue`, events.py `Intake`; tasks run on this thread as they come), then runs `step`, which reads as
 the design: schedule -> forward -> update.
 1. schedule (scheduler.py, the one owner of the batch): drop sequences whose client went away
    (their blocks free at once); admit waiting jobs while fewer than `max_batch` sequences run, in
@@ -44,19 +44,16 @@ import torch
 from gateway.engine import models
 from gateway.engine.cache_manager import KVCacheManager, Placement
 from gateway.engine.cpu_threads import ThreadGovernor, invariant_rows
-from gateway.engine.decode_ahead import DecodeAhead, StepCounts
-from gateway.engine.events import CutOff, Job, Task, TooLarge, WarmGroup
-from gateway.engine.intake import Intake
-from gateway.engine.job_stream import JobStream
+from gateway.engine.decode_ahead import DecodeAhead
+from gateway.engine.events import CutOff, Intake, Job, JobStream, Task, TooLarge, WarmGroup
 from gateway.engine.model_info import ModelInfo
-from gateway.engine.model_runner import ModelRunner, tensor_bytes
+from gateway.engine.model_runner import ModelRunner, staged, tensor_bytes
 from gateway.engine.outputs import OutputProcessor, StepOutput
 from gateway.engine.plan import EnginePlan
 from gateway.engine.sampling import device_picks
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.sequence import Phase, Sequence
-from gateway.engine.staging import staged
-from gateway.engine.stats import DeviceSpan, EngineStats, StepRecord
+from gateway.engine.stats import DeviceSpan, EngineStats, StepCounts, StepRecord
 from gateway.engine.step_planner import StepPlan
 from gateway.engine.tokenizer import Tokenizer
 from gateway.engine.warmup import warm_up

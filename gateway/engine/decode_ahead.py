@@ -32,41 +32,17 @@ them are in the run. tests/engine/test_decode_overlap.py.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from gateway.engine.intake import Intake
-from gateway.engine.model_runner import ModelRunner
+from gateway.engine.events import Intake
+from gateway.engine.model_runner import ModelRunner, staged
 from gateway.engine.outputs import OutputProcessor
 from gateway.engine.sampling import Picks, device_picks
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.sequence import Sequence
-from gateway.engine.staging import staged
-from gateway.engine.stats import DeviceSpan, StepLog, StepRecord
+from gateway.engine.stats import StepCounts
 from gateway.engine.step_planner import StepPlan
-
-
-@dataclass(slots=True)
-class StepCounts:
-    """The steps run since start (the engine's stats) and those not drained yet (its step log)."""
-
-    log: StepLog = field(default_factory=StepLog)
-    steps: int = 0
-    decode_steps: int = 0
-    decode_s: float = 0.0
-
-    def add(self, rows: int, tokens: int, decode_s: float | None, span: DeviceSpan | None = None) -> None:
-        """A step of `rows` rows and `tokens` tokens; `decode_s`: its time when it had decode rows;
-        `span`: its device time (else `decode_s` is)."""
-        self.steps += 1
-        if decode_s is not None:
-            self.decode_steps += 1
-            self.decode_s += decode_s
-        if span is not None:
-            self.log.add_span(rows, tokens, span)
-        else:
-            self.log.add(StepRecord(rows, tokens, decode_s or 0.0))
 
 
 class DecodeAhead:

@@ -12,7 +12,7 @@ ways (`backend`, engine/attention.py):
 
 What the output may depend on (tests/engine/test_batching.py, test_cached_equals_uncached.py):
 - never on the cache: a sequence's KV is two segments, its tool group `[0, G)` and its own tokens,
-  and prompts are computed in chunks whose boundaries are a function of the token ids (chunks.py).
+  and prompts are computed in chunks whose boundaries are a function of the token ids (prefix_index.py).
   A hit, a miss and a bypass served alone therefore run the same operations on the same numbers.
 - on the batch only when `batch_invariant` is off. A matrix product's rounding depends on how many
   rows it has, so a flat batch rounds a sequence's linears differently from the same sequence
@@ -21,6 +21,12 @@ What the output may depend on (tests/engine/test_batching.py, test_cached_equals
   matrix-vector product each, each prompt chunk as its own product (over as many rows as its CUDA
   graph alone pads it to); attention is per sequence on both backends. Batched == alone then holds
   bitwise, at the cost of one product per sequence.
+
+A step's small host values go to the device without a wait (`staged`): on CUDA a copy from
+pageable memory waits for every step queued on the stream (it is staged through a driver buffer
+after a sync), so a step built while another is in flight, or a sampler's per-row values, would
+stall the host until the device is idle. Pinned memory and a non-blocking copy do not; PyTorch's
+pinned allocator keeps the host block until its copy has run.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from torch import nn
 
 from gateway.engine import attention
 from gateway.engine.attention import KVLayout
-from gateway.engine.staging import staged
 from gateway.engine.stats import MemoryUse
 from gateway.kvcache.block_pool import BlockPool, BlockRun
 
@@ -258,3 +263,12 @@ def aligned_rows(rows: list[list[int]]) -> list[list[int]]:
     """Equal-length int32 rows padded to `aligned` length (the padding is never read)."""
     width = aligned(len(rows[0]))
     return [[*row, *[0] * (width - len(row))] for row in rows]
+
+
+# ---- small host values to the device ---------------------------------------------------------
+
+def staged(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, or equal-length lists) as a tensor on `device`; on CUDA through pinned
+    memory, without waiting for the device."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

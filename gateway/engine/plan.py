@@ -49,7 +49,7 @@ class EnginePlan:
     block_tokens: int = 16
     max_queue: int = 64  # jobs waiting in the engine before QueueFull
     min_prefix_tokens: int = 0  # a shorter tool group is not cached
-    turn_opening: tuple[int, ...] = ()  # where prompt chunks may be cut (engine/chunks.py)
+    turn_opening: tuple[int, ...] = ()  # where prompt chunks may be cut (engine/prefix_index.py)
     conversation_reuse: bool = True  # keep a finished prompt's KV for its conversation's next turn
 
     def __post_init__(self) -> None:

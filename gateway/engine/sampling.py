@@ -3,7 +3,7 @@
 the logits' device at once (`device_picks`), the per-row extras applied as tensors, and one
 transfer of the picks to the host. The grammar's mask is computed on the CPU (constraints.py,
 while the device runs the step) and applied on the device as a packed bitmask, as vLLM's
-structured output does. The text the tokens write is text_stream.py's."""
+structured output does. The text the tokens write is sequence.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from gateway.engine.staging import staged
+from gateway.engine.model_runner import staged
 
 if TYPE_CHECKING:
     from gateway.engine.constraints import Constraint

@@ -4,15 +4,16 @@ The metrics collector and the dashboard read the engine and its prefix store thr
 immutable, taken on the engine's thread between steps (`take_snapshot`, through `engine.call`), so
 nothing outside the engine reads the RAM tier or the block pool while the engine changes them
 (kvcache/owner.py); the runtime keeps the last one for a reader that cannot wait for the engine
-(its queue is full: serving/runtime.py `Runtime.snapshot`). Steps go through `StepLog`, drained
-by the collector (its lock is the boundary between the engine's thread and the collector's)."""
+(its queue is full: serving/runtime.py `Runtime.snapshot`). Steps are counted (`StepCounts`) and
+go through `StepLog`, drained by the collector (its lock is the boundary between the engine's
+thread and the collector's)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,3 +168,25 @@ class StepLog:
             self._steps.clear()
         return [step if isinstance(step, StepRecord) else StepRecord(step[0], step[1], step[2].seconds())
                 for step in taken]
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """The steps run since start (the engine's stats) and those not drained yet (its step log)."""
+
+    log: StepLog = field(default_factory=StepLog)
+    steps: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    def add(self, rows: int, tokens: int, decode_s: float | None, span: DeviceSpan | None = None) -> None:
+        """A step of `rows` rows and `tokens` tokens; `decode_s`: its time when it had decode rows;
+        `span`: its device time (else `decode_s` is)."""
+        self.steps += 1
+        if decode_s is not None:
+            self.decode_steps += 1
+            self.decode_s += decode_s
+        if span is not None:
+            self.log.add_span(rows, tokens, span)
+        else:
+            self.log.add(StepRecord(rows, tokens, decode_s or 0.0))

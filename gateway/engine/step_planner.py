@@ -2,7 +2,7 @@
 scheduler owns the batch, scheduler.py; the planner only chooses from it).
 
 Every decoding sequence advances by one token, all in one batched forward pass. Prompts are
-prefilled in chunks (cut by the prompt's tokens alone, see engine/chunks.py), at
+prefilled in chunks (cut by the prompt's tokens alone, see engine/prefix_index.py), at
 most `chunk_tokens` prompt tokens a step beside the decodes, shortest remaining prompt first: a
 hit's short suffix goes ahead of a long tool-group compile, and every step still advances the
 decodes, so nobody waits for a compile to finish.

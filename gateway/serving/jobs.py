@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.engine import Finished, Job, Prefilled, TokenLogprob
-from gateway.engine.job_stream import JobStream
+from gateway.engine.events import JobStream
 from gateway.protocol import chat_output
 from gateway.protocol.answer import Usage
 

@@ -1,5 +1,5 @@
 """Tokenizing rendered prompts, and the cut at the end of the tool group; the tokens that open an
-assistant turn, where the engine cuts a prompt's chunks (`turn_opening`, engine/chunks.py).
+assistant turn, where the engine cuts a prompt's chunks (`turn_opening`, engine/prefix_index.py).
 
 The whole prompt is tokenized as one text, and the prefix is every token that ends inside the tool
 group's text; never the group tokenized on its own, because BPE merges across the boundary.
@@ -214,7 +214,7 @@ def turn_opening(tokenizer: Tokenizer, template: str | None) -> tuple[int, ...]:
     """The tokens that open an assistant turn: the generation prompt's, up to its last non-blank
     token (ChatML's `<|im_start|>`, `assistant`; Llama 3's `<|start_header_id|>`, `assistant`,
     `<|end_header_id|>`: the blank line after it tokenizes differently once an answer follows).
-    Prompt chunks are cut one token after it, past that blank (engine/chunks.py).
+    Prompt chunks are cut one token after it, past that blank (engine/prefix_index.py).
     For a template without a generation prompt (Mistral), the first special token of a rendered
     user turn that is not BOS (`[INST]`). Empty when there is none: the rest of the prompt is then
     cut every `chunk_tokens` only (reuse then stops at the last such cut before the first new

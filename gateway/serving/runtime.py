@@ -158,7 +158,7 @@ def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | No
     if pool.num_bytes < block_bytes:  # a pool of no block: /health ok, every request refused
         raise ValueError(f"{pool.described} holds no KV block: one "
                          f"block of {settings.kv_block_tokens} tokens of this model takes {format_size(block_bytes)}")
-    # Prompt chunks are cut where the template's assistant turns open (engine/chunks.py).
+    # Prompt chunks are cut where the template's assistant turns open (engine/prefix_index.py).
     opening = turn_opening(tokenizer, PromptRenderer(tokenizer, family).template)
     plan = dataclasses.replace(plan, pool_bytes=pool.num_bytes, turn_opening=opening)
     engine = Engine(loaded.model, tokenizer, info, store, plan, threads=_thread_governor(settings, loaded))

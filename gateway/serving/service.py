@@ -28,7 +28,7 @@ from gateway.engine import (
     TokenLogprob,
     TooLarge,
 )
-from gateway.engine.job_stream import JobStream
+from gateway.engine.events import JobStream
 from gateway.engine.model_info import ModelInfo
 from gateway.errors import (
     APIError,

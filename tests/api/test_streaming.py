@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.engine.events import EngineEvent
-from gateway.engine.job_stream import JobStream
+from gateway.engine.events import EngineEvent, JobStream
 from tests.support.server import LiveServer
 
 MESSAGES = [{"role": "user", "content": "Say hi"}]

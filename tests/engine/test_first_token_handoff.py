@@ -9,8 +9,7 @@ import asyncio
 import threading
 
 from gateway.engine import Failed, Finished
-from gateway.engine.events import EngineEvent, Job
-from gateway.engine.job_stream import JobStream
+from gateway.engine.events import EngineEvent, Job, JobStream
 from gateway.protocol.answer import Ended, TextWritten
 from gateway.protocol.chat import ChatCompletionRequest
 from tests.engine.conftest import generate

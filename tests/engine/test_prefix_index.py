@@ -1,5 +1,5 @@
 """Where prompts are cut, how far an earlier prompt's KV may be used, and that the block index
-trusts token ids, never a hash alone (gateway/engine/chunks.py, prefix_index.py; the turn opening:
+trusts token ids, never a hash alone (gateway/engine/prefix_index.py; the turn opening:
 gateway/serving/prompt_tokens.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.engine.chunks import chunk_ends, reuse_end
-from gateway.engine.prefix_index import Conversations, Record, chain_hashes
+from gateway.engine.prefix_index import Conversations, Record, chain_hashes, chunk_ends, reuse_end
 from gateway.kvcache.block_pool import BlockPool, PoolShape
 from gateway.serving.prompt_tokens import turn_opening
 

@@ -15,7 +15,7 @@ from gateway.engine.sampling import (
     nucleus_rows,
     penalized,
 )
-from gateway.engine.text_stream import HeldLogprobs
+from gateway.engine.sequence import HeldLogprobs
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gateway.engine.model_info import special_ids
-from gateway.engine.text_stream import TextStream
+from gateway.engine.sequence import TextStream
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 

@@ -176,8 +176,8 @@ def prefill_over(engine: Any, entry: Any, suffix_ids: list[int]) -> None:
     """What a hit computes: `suffix_ids` prefilled after the stored group, in the same chunks, into
     a scratch run that is freed after. Engine thread only."""
     # lazy: the engine (torch) loads only when the floor runs
-    from gateway.engine.chunks import chunk_ends, next_end
     from gateway.engine.model_runner import RowKV
+    from gateway.engine.prefix_index import chunk_ends, next_end
 
     run = engine.cache.allocate(len(suffix_ids))
     if run is None:
