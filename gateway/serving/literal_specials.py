@@ -38,13 +38,21 @@ tokens that the whole tokenization read a control token in is tokenized alone, a
 
 A template that does not carry client text through unchanged (the masked render, unmasked, is not
 the real render) cannot be told apart: that request is a 400 naming the special token, never a
-prompt with a forged turn. Only special added tokens are kept apart; a tokenizer's plain added
-tokens (not control tokens) are found in any text, as before.
+prompt with a forged turn.
+
+Control tokens are the special added tokens, and the plain (non-special) added tokens that the chat
+template itself writes: Qwen's `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>`
+are plain added tokens, and a tool result holding `</tool_response>` would otherwise end the result
+and open a forged one, token for token. Those are found by rendering one probe conversation (a
+system text, a tool, a call, its result) at start-up (`written_by`). `split_special_tokens` reads
+only special tokens as text, so a piece where a client wrote a plain one is tokenized in parts cut
+after each masked character. Other plain added tokens (added words) are read in any text, as before.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -54,6 +62,7 @@ from typing import Any
 import orjson
 
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec, arguments_object
+from adapters.render import PromptRenderer, RenderError
 from gateway.engine import Tokenizer
 from gateway.errors import BadRequest
 
@@ -64,9 +73,11 @@ _MAX_MASK_ROUNDS = 8  # a control token overlapping a masked one may match once 
 class LiteralSpecials:
     """The model's special tokens, kept out of client text (see the module doc)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, template_text: str = "") -> None:
+        """`template_text`: a render of the chat template (`written_by`); the plain added tokens
+        in it are control tokens too."""
         self.tokenizer = tokenizer
-        self.specials = special_tokens(tokenizer)
+        self.specials = {**special_tokens(tokenizer), **plain_tokens_in(tokenizer, template_text)}
         by_length = sorted(self.specials, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
         self._pattern = re.compile("|".join(map(re.escape, by_length))) if by_length else None
         firsts = sorted({token[0] for token in self.specials})
@@ -75,7 +86,7 @@ class LiteralSpecials:
         # schemas are searched as their JSON text, unless some special token has a character JSON escapes
         self._json_safe = all(orjson.dumps(token).decode()[1:-1] == token for token in self.specials)
         self._special_ids = frozenset(self.specials.values())
-        self._normalized = _normalizes_specials(tokenizer)
+        self._normalized = _normalizes(tokenizer, self.specials)
 
     def slipped(self, ids: list[int], text: str) -> bool:
         """Whether the tokens `ids` of `text` hold a control token that is not in the text as
@@ -120,7 +131,7 @@ class LiteralSpecials:
                 taken += 1
             if (_holds(masks, start, stop) or not _aligned(whole_ends, at, taken, stop)
                     or not self._special_ids.isdisjoint(whole_ids[at:taken])):
-                self._encode_text(text[start:stop], start, ids, ends)  # the piece alone, control text as text
+                self._encode_text(text[start:stop], start, ids, ends, masked_text[start:stop])  # alone, as text
             else:  # the tokenizer splits at control tokens anyway: the whole text's tokens of this piece
                 ids += whole_ids[at:taken]
                 ends += whole_ends[at:taken]
@@ -132,12 +143,24 @@ class LiteralSpecials:
             at = taken + 1 if taken < len(whole_ends) and whole_ends[taken] == start else len(whole_ends) + 1
         return ids, ends
 
-    def _encode_text(self, piece: str, offset: int, ids: list[int], ends: list[int]) -> None:
-        if not piece:
-            return
-        enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
-        ids.extend(enc["input_ids"])
-        ends.extend(offset + end for _, end in enc["offset_mapping"])
+    def _encode_text(self, piece: str, offset: int, ids: list[int], ends: list[int], masked: str) -> None:
+        """`piece` (`masked` as the masked render has it) as text; cut after each masked character
+        where a plain control token would still be read whole."""
+        parts = [(0, self._as_text(piece))] if piece else []
+        if parts and not self._special_ids.isdisjoint(parts[0][1][0]):
+            cuts = [0, *(m.end() for m in _MASKED.finditer(masked)), len(piece)]
+            parts = [(start, self._as_text(piece[start:stop]))
+                     for start, stop in itertools.pairwise(cuts) if stop > start]
+        for start, (part_ids, part_ends) in parts:
+            if not self._special_ids.isdisjoint(part_ids):  # not seen: no part holds a whole control text
+                raise BadRequest("a message or tool holds text this model's tokenizer reads as a control token "
+                                 "however it is cut; remove it", param="messages")
+            ids.extend(part_ids)
+            ends.extend(offset + start + end for end in part_ends)
+
+    def _as_text(self, text: str) -> tuple[list[int], list[int]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        return list(enc["input_ids"]), [end for _, end in enc["offset_mapping"]]
 
     def _mask(self, text: str) -> str:
         assert self._pattern is not None
@@ -171,14 +194,37 @@ def special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
             if getattr(token, "special", False) and token.content}
 
 
-def _normalizes_specials(tokenizer: Tokenizer) -> bool:
-    """Whether some special token is matched after a normalizer (text other than its own may then
+def plain_tokens_in(tokenizer: Tokenizer, text: str) -> dict[str, int]:
+    """The tokenizer's plain (non-special) added tokens that `text` holds ({text: id})."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {token.content: int(token_id) for token_id, token in decoder.items()
+            if not getattr(token, "special", False) and token.content and token.content in text}
+
+
+_PROBE_CALL = ToolCallIn("call_probe_0", "probe_tool", '{"q": "v"}')
+_PROBE = [ChatMessage("system", "s"), ChatMessage("user", "u"), ChatMessage("assistant", "a", (_PROBE_CALL,)),
+          ChatMessage("tool", "r", tool_call_id=_PROBE_CALL.id), ChatMessage("assistant", "b"),
+          ChatMessage("user", "u")]
+_PROBE_TOOL = ToolSpec("probe_tool", "d", {"type": "object", "properties": {"q": {"type": "string"}}})
+
+
+def written_by(renderer: PromptRenderer) -> str:
+    """What the chat template writes around one probe conversation with a tool, a call and its
+    result (its plain added tokens are control tokens); empty if it cannot render it."""
+    try:
+        return renderer.render(_PROBE, [_PROBE_TOOL]).text
+    except RenderError:
+        return ""
+
+
+def _normalizes(tokenizer: Tokenizer, controls: dict[str, int]) -> bool:
+    """Whether some control token is matched after a normalizer (text other than its own may then
     read as it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.normalizer is None:
         return False
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return any(getattr(token, "special", False) and getattr(token, "normalized", False) for token in decoder.values())
+    return any(token.content in controls and getattr(token, "normalized", False) for token in decoder.values())
 
 
 def cut(ends: list[int], prefix_chars: int) -> int:

@@ -54,7 +54,7 @@ from gateway.serving.checks import (
 )
 from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
 from gateway.serving.jobs import Outcome, Prepared, usage_of
-from gateway.serving.literal_specials import LiteralSpecials, cut
+from gateway.serving.literal_specials import LiteralSpecials, cut, written_by
 from gateway.serving.logprobs import TokenTexts
 from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
@@ -77,7 +77,7 @@ class ChatService:
         self.family = family
         self.renderer = PromptRenderer(tokenizer, family)
         self.prompt_tokens = PromptTokenizer(tokenizer, max_bytes=tokenizer_heads_bytes)
-        self.literal_specials = LiteralSpecials(tokenizer)
+        self.literal_specials = LiteralSpecials(tokenizer, written_by(self.renderer))
         self.marker_ids = marker_ids(tokenizer, family.call_markers)
         self.max_token_chars = max_token_chars(tokenizer)
         self.model_name = model_name
