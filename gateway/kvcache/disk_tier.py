@@ -215,7 +215,8 @@ class DiskTier:
         """Remove least recently used files until the dir (temp files included) and
         `incoming_bytes` fit the budget: unprotected ones first (a retention past its tenant's
         share protects nothing), retained ones only when none is left; never a pinned one, never
-        `keep`."""
+        `keep`. The files to delete are picked and deleted with no pin changing meanwhile in any
+        process (`Pins.settled`)."""
         self.pins.refresh()
         stats = self._scan()
         for stat in stats:  # another process's retained entry: its file's size is what it counts
@@ -225,6 +226,12 @@ class DiskTier:
         for path, num_bytes in reversed(self._quarantined()):
             if total + num_bytes <= self.budget_bytes or not delete(path):
                 total += num_bytes
+        if total <= self.budget_bytes:
+            return []
+        with self.pins.settled():
+            return self._evict(stats, total, keep)
+
+    def _evict(self, stats: list[_FileStat], total: int, keep: str) -> list[str]:
         evicted: list[str] = []
         now = time.time()
         levels = {s.digest: self.pins.level(s.digest, now) for s in stats}

@@ -36,12 +36,13 @@ since, so a delete made through one server is never written back by another.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -271,16 +272,38 @@ class Pins:
         if self.path is None:
             return
         with self._io_lock:
-            seen = file_id(self.path)
-            if seen == self._seen:
-                return
-            on_file = read_holds(self.path)
-            if on_file is not None:
-                with self._lock:
-                    filed = _deadlines(on_file)
-                    self._replace(self._merged(on_file))
-                    self._saved_until = filed
-            self._seen = seen
+            self._take_in(self.path)
+
+    @contextlib.contextmanager
+    def settled(self) -> Iterator[None]:
+        """The pins as the file holds them, and no pin change by any process (none through this
+        dir's lock) until the block ends: the disk budget picks and deletes files under it, so a
+        pin another process makes meanwhile waits, and a pin made just before is seen (a refresh
+        then a delete let a pin made between them lose its file). Where the lock cannot be taken
+        (a read-only dir), a plain refresh."""
+        if self.path is None:
+            yield
+            return
+        with self._io_lock, contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(locked(self.path.parent / LOCK_FILE))
+            except OSError as exc:
+                log.warning("cannot lock %s (%s); trimming by the pins read last", LOCK_FILE, exc.strerror or exc)
+            self._take_in(self.path)
+            yield
+
+    def _take_in(self, path: Path) -> None:
+        """Read the file when it changed since we last did (call with `_io_lock` held)."""
+        seen = file_id(path)
+        if seen == self._seen:
+            return
+        on_file = read_holds(path)
+        if on_file is not None:
+            with self._lock:
+                filed = _deadlines(on_file)
+                self._replace(self._merged(on_file))
+                self._saved_until = filed
+        self._seen = seen
 
     def _watch(self) -> None:
         """Take in another process's changes every `_REFRESH_EVERY_S` (a stat; a parse only when

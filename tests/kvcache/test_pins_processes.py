@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gateway.kvcache.pins import PINS_FILE, Level, Pins, PinsNotSaved
+from gateway.kvcache.pins_file import LOCK_FILE, Hold, locked, write_holds
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import disk, make_entry
@@ -189,3 +191,25 @@ def test_a_retention_deleted_through_one_server_is_never_written_back_by_another
     finally:
         one.close()
         two.close()
+
+
+def test_the_disk_budget_never_deletes_a_file_another_process_is_pinning(tmp_path: Path) -> None:
+    """The budget read the pins, then picked and deleted files: a pin another process recorded in
+    between (under pins.lock, as every pin is) lost its file. Now the pick and the deletes wait for
+    a pin in progress and see it. The test takes pins.lock as the pinning process does."""
+    x, y, z = (make_entry([300 + 16 * i + t for t in range(16)], seed=30 + i) for i in range(3))
+    probe = disk(tmp_path / "probe")
+    probe.save(x)
+    tier = disk(tmp_path / "cache", budget_bytes=2 * probe.usage()[1])
+    for entry in (x, y):
+        tier.save(entry)
+    saving = threading.Thread(target=tier.save, args=(z,))  # over budget: x is the oldest
+    with locked(tmp_path / "cache" / LOCK_FILE):  # another process, mid-pin of x
+        saving.start()
+        saving.join(timeout=2)  # before: the save deleted x here, under the pin in progress
+        write_holds(tmp_path / "cache" / PINS_FILE, {x.key.digest: Hold(pinned=True, num_bytes=x.num_bytes)})
+    saving.join()
+    on_disk = {record.digest for record in tier.records()}
+    assert on_disk == {x.key.digest, z.key.digest}  # the pinned x kept; y went instead
+    tier.close()
+    probe.close()
