@@ -10,7 +10,7 @@ the design: schedule -> forward -> update.
    it: the cache manager looks the tool group up (RAM, disk) and reserves blocks for the rest
    (evicting unused cached groups if the pool is full; a job that does not fit yet waits, one that
    never can is refused at submit); then choose the step: the decoding sequences' next tokens and
-   the prompt chunks within the step's token budget, a fair share for each tenant (step_planner.py);
+   the prompt chunks within the step's token budget, a fair share for each tenant (scheduler.py `StepPlanner`);
 2. forward: one pass over the step's flat batch (model_runner.py); while the device computes, the
    CPU computes the grammar masks; every row to sample is chosen on the device at once;
 3. update (outputs.py): what a step's output does to each sequence: store a computed group, take
@@ -51,10 +51,9 @@ from gateway.engine.model_runner import ModelRunner, staged, tensor_bytes
 from gateway.engine.outputs import OutputProcessor, StepOutput
 from gateway.engine.plan import EnginePlan
 from gateway.engine.sampling import device_picks
-from gateway.engine.scheduler import Scheduler
+from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Phase, Sequence
 from gateway.engine.stats import DeviceSpan, EngineStats, StepCounts, StepRecord
-from gateway.engine.step_planner import StepPlan
 from gateway.engine.tokenizer import Tokenizer
 from gateway.engine.warmup import warm_up
 from gateway.kvcache.block_pool import BlockPool

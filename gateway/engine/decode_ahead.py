@@ -39,10 +39,9 @@ from gateway.engine.events import Intake
 from gateway.engine.model_runner import ModelRunner, staged
 from gateway.engine.outputs import OutputProcessor
 from gateway.engine.sampling import Picks, device_picks
-from gateway.engine.scheduler import Scheduler
+from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.sequence import Sequence
 from gateway.engine.stats import StepCounts
-from gateway.engine.step_planner import StepPlan
 
 
 class DecodeAhead:
