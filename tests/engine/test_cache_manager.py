@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
+import pytest
 import torch
 
 from gateway.engine.cache_manager import HOLD, KVCacheManager, Placement
-from gateway.engine.events import Job, WarmGroup
+from gateway.engine.events import Failed, Job, WarmGroup, WarmUpFailed
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun, PoolShape
@@ -145,3 +146,20 @@ def test_a_warm_up_computes_its_group_once_then_finds_it_cached() -> None:
     again = WarmGroup(key)
     assert cache.place_group(again) is None and again.future.result(timeout=0) == (entry, True)
     assert cached_groups(cache) == [9] and cache.pool.num_used == 3  # nothing placed for the second
+
+
+def test_a_warm_up_whose_compute_fails_hears_why_and_frees_its_group_for_another_try() -> None:
+    cache = manager()
+    warm = WarmGroup(cache.key_for([9] * GROUP))
+    placed = cache.place_group(warm)
+    assert isinstance(placed, Placement) and placed.group_run is not None
+    seq = cast(Sequence, Compiled(warm.job, placed.key, placed.group_run, placed.own_run))
+    cache.start_compiling(seq)
+    cache.retire(seq)  # as a failed row is retired (outputs.fail), then its job hears why
+    placed.own_run.release()
+    placed.group_run.release()
+    warm.job.emit(Failed("generation failed (RuntimeError); the server log has the details"))
+    with pytest.raises(WarmUpFailed, match="RuntimeError"):
+        warm.future.result(timeout=0)
+    retry = WarmGroup(warm.key)
+    assert isinstance(cache.place_group(retry), Placement) and cache.pool.num_used == 3  # not held by the failed one
