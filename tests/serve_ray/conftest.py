@@ -1,6 +1,10 @@
 """A real local Ray instance (2 logical CPUs) running `toolkv serve --replicas 2`'s application
 on a tiny random-weight model: two engine replicas sharing one cache dir behind the ingress, on a
-free port on 127.0.0.1. Ray and Serve are shut down after each module."""
+free port on 127.0.0.1. Ray and Serve start once for the package (`serve_port`: ~20 s of a quiet
+machine's 2 cores each time); each module's fleet is an application deployed on them and deleted
+after the module (its replicas' processes with it), so no module sees another's engines or cache.
+`ingress_url` is one such fleet shared by test_replicas.py and test_fleet_view.py, whose tests
+measure what they change."""
 
 from __future__ import annotations
 
@@ -26,31 +30,45 @@ def ray_settings(tiny_model_dir: Callable[..., Path], cache_dir: Path, **overrid
                                     "ram_budget_bytes": 64 * 1024**2, **overrides}, environ={})
 
 
-@contextmanager
-def ray_fleet(settings: Settings) -> Iterator[str]:
-    """The application on a fresh local Ray instance; yields the ingress's base URL."""
+@pytest.fixture(scope="package")
+def serve_port() -> Iterator[int]:
+    """A fresh local Ray instance with Serve's HTTP proxy on a free port of 127.0.0.1 (that port)."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from gateway.serve_ray import APP_NAME
-    from gateway.serve_ray.deployments import build_application
-
+    port = free_port()
     # address="local": never the (possibly dead) cluster a past `ray start --head` recorded in /tmp/ray
     ray.init(address="local", num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")
-        base_url = f"http://{settings.host}:{settings.port}"
-        wait_until_ready(base_url)
-        yield base_url
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ingress_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def ray_fleet(settings: Settings) -> Iterator[str]:
+    """The application on the package's Ray instance (`settings.port` is `serve_port`); yields the
+    ingress's base URL, and deletes the application (replicas and ingress) after."""
+    serve = pytest.importorskip("ray.serve")
+    from gateway.serve_ray import APP_NAME
+    from gateway.serve_ray.deployments import build_application
+
+    try:
+        serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")
+        base_url = f"http://{settings.host}:{settings.port}"
+        wait_until_ready(base_url)
+        yield base_url
+    finally:
+        serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="package")
+def ingress_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
+                serve_port: int) -> Iterator[str]:
     """The bound is 1 so that two streams of one group at once spread over both replicas."""
-    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-cache"), upstream_max_in_flight=1)
+    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-cache"), port=serve_port,
+                            upstream_max_in_flight=1)
     with ray_fleet(settings) as base_url:
         yield base_url

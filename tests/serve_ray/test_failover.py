@@ -27,9 +27,10 @@ ADMIN = "fleet-admin-key"
 
 
 @pytest.fixture(scope="module")
-def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-failover-cache"), api_keys=KEYS,
-                            admin_key=ADMIN, replica_cache="separate", upstream_probe_s=0.5)
+def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
+              serve_port: int) -> Iterator[str]:
+    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-failover-cache"), port=serve_port,
+                            api_keys=KEYS, admin_key=ADMIN, replica_cache="separate", upstream_probe_s=0.5)
     with ray_fleet(settings) as base_url:
         yield base_url
 

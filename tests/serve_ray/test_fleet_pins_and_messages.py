@@ -36,10 +36,11 @@ BUDGET_BYTES = 32 * 1024**2
 
 
 @pytest.fixture(scope="module")
-def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
+              serve_port: int) -> Iterator[str]:
     groups = tmp_path_factory.mktemp("groups") / "pinned.json"
     groups.write_text(json.dumps({"system": PINNED_SYSTEM, "tools": TOOLS}))
-    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-pins-cache"), api_keys=(KEY,),
+    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-pins-cache"), port=serve_port, api_keys=(KEY,),
                             admin_key=ADMIN, pinned_groups=(str(groups),), pinned_budget_bytes=BUDGET_BYTES,
                             shared_groups=(group_id(PINNED_SYSTEM, TOOLS),))
     with ray_fleet(settings) as base_url:

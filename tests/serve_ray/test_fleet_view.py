@@ -1,14 +1,12 @@
 """What an operator sees of `toolkv serve --replicas 2` at the ingress: `/health` names each replica;
 the dashboard (page and stats) shows the fleet's totals and a row per replica that agree with the
 replicas' own metrics; deleting a cache entry or clearing the cache through the ingress takes it
-off every replica and says where. One fleet for the module; tests run in file order and each
-measures what it changed."""
+off every replica and says where. The package's fleet (conftest.py `ingress_url`, shared with
+test_replicas.py); tests run in file order and each measures what it changed."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +18,7 @@ from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401  # browser: a fixture
 from tests.proxy.conftest import group_id, metric
-from tests.serve_ray.conftest import REPLICAS, ray_fleet, ray_settings
+from tests.serve_ray.conftest import REPLICAS
 from tests.serve_ray.test_replicas import TOOLS, ask, client_for, replica_metrics, samples
 from tests.support.waiting import wait_until
 
@@ -39,11 +37,10 @@ return rows;
 """
 
 
-@pytest.fixture(scope="module")
-def fleet_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-fleet-view-cache"))
-    with ray_fleet(settings) as base_url:
-        yield base_url
+@pytest.fixture
+def fleet_url(ingress_url: str) -> str:
+    """The package's fleet, shared with test_replicas.py (conftest.py)."""
+    return ingress_url
 
 
 def get(base_url: str, path: str) -> httpx.Response:

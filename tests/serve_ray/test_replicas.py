@@ -56,23 +56,31 @@ def ask(client: openai.OpenAI, system: str, question: str, **extra: Any) -> Any:
 
 
 def test_interleaved_groups_compile_once_on_their_home_replica_and_hit_after(ingress_url):
+    """The fleet is the package's (test_fleet_view.py used it first): counts are what this test added."""
     client = client_for(ingress_url)
+    was = samples(httpx.get(ingress_url + "/metrics", timeout=30).text)
+    own_was = [replica_metrics(index) for index in range(REPLICAS)]
     for turn in range(ROUNDS):
         for system in SYSTEMS:
             cached = ask(client, system, f"question {turn}").usage.prompt_tokens_details.cached_tokens
             assert (cached > 0) == (turn > 0), (system, turn, cached)
 
     fleet = samples(httpx.get(ingress_url + "/metrics", timeout=30).text)
-    assert metric(fleet, "toolkv_cache_lookups_total", result="miss") == len(SYSTEMS)  # the replicas' own
-    assert metric(fleet, "toolkv_cache_lookups_total", result="hit") == len(SYSTEMS) * (ROUNDS - 1)
-    assert metric(fleet, "toolkv_ingress_cache_lookups_total", result="miss") == len(SYSTEMS)  # as routed
+
+    def added(name: str, **labels: str) -> float:
+        return metric(fleet, name, **labels) - metric(was, name, **labels)
+
+    assert added("toolkv_cache_lookups_total", result="miss") == len(SYSTEMS)  # the replicas' own
+    assert added("toolkv_cache_lookups_total", result="hit") == len(SYSTEMS) * (ROUNDS - 1)
+    assert added("toolkv_ingress_cache_lookups_total", result="miss") == len(SYSTEMS)  # as routed
     for index in range(REPLICAS):
         name, url = engine_name(index), f"http://{engine_name(index)}"
         homed = sum(home(system) == url for system in SYSTEMS)
-        own = replica_metrics(index)
-        assert metric(own, "toolkv_cache_lookups_total", result="miss") == homed, name  # its compiles
-        assert metric(fleet, "toolkv_cache_lookups_total", result="miss", replica=name) == homed, name
-        assert metric(fleet, "toolkv_ingress_cache_lookups_total", result="miss", upstream=url) == homed, name
+        own_misses = [metric(m, "toolkv_cache_lookups_total", result="miss") for m in (own_was[index],
+                                                                                       replica_metrics(index))]
+        assert own_misses[1] - own_misses[0] == homed, name  # its compiles
+        assert added("toolkv_cache_lookups_total", result="miss", replica=name) == homed, name
+        assert added("toolkv_ingress_cache_lookups_total", result="miss", upstream=url) == homed, name
     assert {home(system) for system in SYSTEMS} == {f"http://{engine_name(i)}" for i in range(REPLICAS)}
 
 
@@ -139,7 +147,9 @@ def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingres
     both clients then hang up, which ends both generations on the replicas."""
     body = {"model": MODEL, "messages": messages("You are very popular.", "Write a long story."), "tools": TOOLS,
             "tool_choice": "none", "temperature": 0, "max_tokens": 3000, "stream": True}
-    spilled = metric(fleet_metrics(ingress_url), "toolkv_upstream_routed_total", route="spill")
+    before = fleet_metrics(ingress_url)
+    spilled = metric(before, "toolkv_upstream_routed_total", route="spill")
+    hung_up = metric(before, "toolkv_requests_total", status="499")
     url = ingress_url + "/v1/chat/completions"
     with httpx.stream("POST", url, json=body, timeout=120) as first:
         first_lines = first_event(first)  # in flight on its home until the stream ends
@@ -150,7 +160,7 @@ def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingres
     assert metric(during, "toolkv_upstream_routed_total", route="spill") == spilled + 1
     assert [metric(during, "toolkv_requests_in_flight", replica=engine_name(i)) for i in range(REPLICAS)] == [1, 1]
     assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
-    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == 2)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == hung_up + 2)
 
 
 def test_warming_compiles_a_group_on_its_home_replica_only(ingress_url):

@@ -52,7 +52,7 @@ def wait_until_ready(base_url: str, deadline_s: float = READY_DEADLINE_S) -> dic
         nonlocal last
         try:
             last = poller.get(base_url + "/health").json()
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # not listening yet, or not yet the app (Serve's 404 text)
             last = {}
         return last.get("status") in ("ok", "failed")
 
