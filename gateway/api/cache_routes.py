@@ -16,13 +16,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from gateway.api.state import gateway_state
 from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.edge.limits import check_json_depth
 from gateway.engine import QueueFull
 from gateway.errors import BadRequest, CacheFilesLeft, Overloaded
 from gateway.serving.cache_admin import WarmRequest, entry_dict, pin_entry, plan_warm, unpin_entry, warm_plan
-from gateway.serving.runtime import Runtime, loaded_runtime
-from gateway.settings import Settings
+from gateway.serving.runtime import Runtime
 
 router = APIRouter()
 
@@ -36,7 +36,7 @@ async def warm(request: Request) -> JSONResponse:
     pinned_budget_bytes: the group is warmed, not pinned)."""
     runtime = _admin_runtime(request)
     raw = await request.body()
-    settings: Settings = request.app.state.settings
+    settings = gateway_state(request.app).settings
     # parsing, rendering and tokenizing a group is blocking work: off the event loop
     body = await asyncio.to_thread(_warm_request, raw)
     plan = await asyncio.to_thread(plan_warm, runtime.service, body, settings.max_tools, settings.max_schema_depth)
@@ -60,7 +60,7 @@ async def list_entries(request: Request) -> JSONResponse:
     """Every entry (each says whether it is pinned), and the pinned bytes against their budget."""
     runtime = _admin_runtime(request)
     infos = await asyncio.to_thread(runtime.admin.entries)
-    settings: Settings = request.app.state.settings
+    settings = gateway_state(request.app).settings
     return JSONResponse({"object": "list", "data": [entry_dict(i) for i in infos],
                          "pinned_bytes": runtime.store.pinned_bytes(),
                          "pinned_budget_bytes": settings.pinned_budget_bytes})
@@ -98,7 +98,7 @@ async def pin(entry_id: str, request: Request) -> JSONResponse:
     """Pin an entry: never evicted by LRU pressure nor by the disk budget, across restarts."""
     runtime = _admin_runtime(request)
     digest = checked_id(entry_id)
-    settings: Settings = request.app.state.settings
+    settings = gateway_state(request.app).settings
     info = await asyncio.to_thread(pin_entry, runtime.admin, digest, settings.pinned_budget_bytes)
     if info is None:
         raise unknown_entry(digest)
@@ -141,7 +141,6 @@ def _warm_request(raw: bytes) -> WarmRequest:
 
 
 def _admin_runtime(request: Request) -> Runtime:
-    keyring = getattr(request.app.state, "keyring", None)  # API keys: checked before anything else
-    if keyring is not None:
-        keyring.admin(request)
-    return loaded_runtime(request.app.state)
+    state = gateway_state(request.app)
+    state.keyring.admin(request)  # API keys: checked before anything else
+    return state.model.loaded()

@@ -17,15 +17,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.api.generation import Arrival, Release, check_model, parse_model, serve_generation, whole_json
-from gateway.api.streaming import ChunkWire, stream_answer
+from gateway.api.generation import (
+    Arrival,
+    ChunkWire,
+    Release,
+    check_model,
+    parse_model,
+    serve_generation,
+    stream_answer,
+    whole_json,
+)
+from gateway.api.state import gateway_state
 from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.protocol import chat_output
 from gateway.protocol.answer import AnswerEvent, Ended, TextWritten
 from gateway.protocol.completions import DEFAULT_MAX_TOKENS, CompletionRequest
 from gateway.serving.jobs import Prepared
 from gateway.serving.logprobs import LegacyLogprobs
-from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.runtime import Runtime
 from gateway.serving.service import ChatService
 
 router = APIRouter()
@@ -34,7 +43,7 @@ router = APIRouter()
 async def create_completion(request: Request) -> Response:
     async def respond(planned: tuple[CompletionRequest, Prepared], release: Release) -> Response:
         req, prepared = planned
-        runtime = loaded_runtime(request.app.state)
+        runtime = gateway_state(request.app).model.loaded()
         if not req.stream:
             return await whole_json(request, runtime, prepared, _whole(runtime.service, prepared))
         return await _streamed(request, runtime, prepared, req.include_usage, release)

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client.metrics_core import Metric
 
+from gateway.api.state import gateway_state
 from gateway.errors import NotFound
-from gateway.metrics import EngineView, Metrics
+from gateway.metrics import EngineView
 
 if TYPE_CHECKING:
+    from gateway.api.state import GatewayState
     from gateway.kvcache.store import EntryInfo
     from gateway.serving.runtime import Runtime
 
@@ -71,26 +73,24 @@ router.include_router(page_router)
 
 @router.get("/v1/dashboard/stats")
 async def stats(request: Request) -> JSONResponse:
-    app = request.app
-    keyring = getattr(app.state, "keyring", None)
-    if keyring is not None:  # tool names of every tenant: admin only once keys are configured
-        keyring.admin(request)
-    runtime: Runtime | None = app.state.runtime
+    state = gateway_state(request.app)
+    state.keyring.admin(request)  # tool names of every tenant: admin only once keys are configured
+    runtime = state.model.runtime
     listing: tuple[EntryInfo, ...] = ()
     if runtime is not None:
         await runtime.refresh_gauges_off_loop()
         snapshot = await runtime.snapshot()  # the RAM tier now, as the engine's thread sees it
         listing = snapshot.store.listing if snapshot is not None else ()
-    metrics: Metrics = app.state.metrics
+    metrics = state.metrics
     families = list(metrics.registry.collect())
-    windows = ttft_windows(app)
+    windows = state.ttft_windows
     windows.sample(CollectedFamilies(families), time.time())  # the TTFT histogram and its slowest
     points = windows.to_json()
     return JSONResponse({
-        "status": _status(app), "model": runtime.model_name if runtime is not None else None,
+        "status": state.model.status, "model": runtime.model_name if runtime is not None else None,
         "totals": totals(families), "engine": engine(families, metrics.engine) if runtime is not None else None,
         "ttft_windows": points, "ttft_ceiling_ms": ttft_ceiling_ms(points), "window_s": windows.window_s,
-        "groups": ram_groups(listing), "pins": await pins(app, runtime, listing)})
+        "groups": ram_groups(listing), "pins": await pins(state, runtime, listing)})
 
 
 def _asset(name: str) -> FileResponse:
@@ -98,12 +98,6 @@ def _asset(name: str) -> FileResponse:
     if path.suffix not in MEDIA_TYPES or path.parent != STATIC_DIR or not path.is_file():
         raise NotFound(f"no dashboard asset named '{name}'")
     return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
-
-
-def _status(app: FastAPI) -> str:
-    if app.state.runtime is not None:
-        return "ok"
-    return "failed" if app.state.load_error else "loading"
 
 
 # ---- totals ------------------------------------------------------------------------------------
@@ -194,7 +188,7 @@ def ram_groups(listing: Sequence[EntryInfo]) -> list[dict[str, Any]]:
              "pinned": e.pinned} for e in listing[:MAX_GROUP_ROWS]]
 
 
-async def pins(app: FastAPI, runtime: Runtime | None, listing: Sequence[EntryInfo]) -> dict[str, Any] | None:
+async def pins(state: GatewayState, runtime: Runtime | None, listing: Sequence[EntryInfo]) -> dict[str, Any] | None:
     """The pinned groups (`tier`: ram, or disk when not in RAM now), the bytes pinned and the
     budget, as `GET /v1/cache` counts them. A pinned group not in RAM is looked up on disk once,
     then remembered (an entry's group never changes): a poll does not read the disk each time."""
@@ -203,15 +197,15 @@ async def pins(app: FastAPI, runtime: Runtime | None, listing: Sequence[EntryInf
     store = runtime.store
     pinned = store.pins.pinned()
     in_ram = {e.digest: e for e in listing if e.digest in pinned}
-    seen: dict[str, EntryInfo | None] = getattr(app.state, "dashboard_pinned", {})
-    seen = {digest: info for digest, info in seen.items() if digest in pinned}
+    seen = state.dashboard_pinned
+    for digest in seen.keys() - pinned.keys():
+        del seen[digest]
     if unknown := pinned.keys() - in_ram.keys() - seen.keys():
         listed = {i.digest: i for i in await asyncio.to_thread(runtime.admin.entries) if i.digest in unknown}
         seen.update({digest: listed.get(digest) for digest in unknown})
-    app.state.dashboard_pinned = seen
     rows = [_pinned_row(digest, num_bytes, in_ram.get(digest) or seen.get(digest), digest in in_ram)
             for digest, num_bytes in pinned.items()]
-    return {"pinned_bytes": sum(pinned.values()), "pinned_budget_bytes": app.state.settings.pinned_budget_bytes,
+    return {"pinned_bytes": sum(pinned.values()), "pinned_budget_bytes": state.settings.pinned_budget_bytes,
             "groups": sorted(rows, key=lambda row: row["num_bytes"], reverse=True)[:MAX_GROUP_ROWS]}
 
 
@@ -333,12 +327,9 @@ def _median(ordered: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def ttft_windows(app: FastAPI) -> TtftWindows:
-    """The app's windows, made on first use (one per app, never module-level)."""
-    windows: TtftWindows | None = getattr(app.state, "dashboard_ttft", None)
-    if windows is None:
-        windows = app.state.dashboard_ttft = TtftWindows()
-    return windows
+def new_ttft_windows() -> TtftWindows:
+    """An app's windows (one per app, never module-level: gateway/api/state.py)."""
+    return TtftWindows()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,15 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.api.generation import (
+    SSE,
     Arrival,
     Release,
+    WireEvents,
+    named,
     parse_model,
     prepare,
     serve_generation,
+    stream_answer,
     whole_json,
 )
 from gateway.api.messages_stream import (
@@ -29,27 +33,25 @@ from gateway.api.messages_stream import (
     stop_reason,
     usage_of,
 )
-from gateway.api.streaming import SSE, WireEvents, named, stream_answer
-from gateway.api.threads import ThreadStore, ThreadTurn, threaded
-from gateway.edge.request_id import new_request_id
+from gateway.api.state import GatewayState, gateway_state
+from gateway.api.threads import ThreadTurn, threaded
+from gateway.edge.handlers import new_request_id
 from gateway.errors import APIError
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.messages import CountTokensRequest, MessagesRequest, to_generation
 from gateway.serving.jobs import Prepared
-from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.runtime import Runtime
 
 # Not in /openapi.json, which describes the OpenAI-compatible API (Anthropic publishes this one's).
 router = APIRouter(include_in_schema=False)
 
 
-def install(app: FastAPI) -> None:
-    """The routes, and the store of message threads (bounded as the Responses store is, by
-    `max_stored_responses`, `max_stored_response_bytes` per key and
-    `max_stored_response_bytes_total`, its own budget)."""
-    settings = app.state.settings
-    app.state.threads = ThreadStore(settings.max_stored_responses, settings.max_stored_response_bytes,
-                                    settings.max_stored_response_bytes_total)
-    budgets = app.state.metrics.memory_budget_bytes
+def install(app: FastAPI, state: GatewayState) -> None:
+    """The routes, and the budgets of the store of message threads (`state.threads`, bounded as the
+    Responses store is, by `max_stored_responses`, `max_stored_response_bytes` per key and
+    `max_stored_response_bytes_total`, its own budget) as gauges."""
+    settings = state.settings
+    budgets = state.metrics.memory_budget_bytes
     budgets.labels(structure="message_threads").set(settings.max_stored_response_bytes_total)
     budgets.labels(structure="message_threads_per_key").set(settings.max_stored_response_bytes)
     app.include_router(router)
@@ -65,9 +67,10 @@ class Planned:
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
     async def respond(planned: Planned, release: Release) -> Response:
-        runtime = loaded_runtime(request.app.state)
+        state = gateway_state(request.app)
+        runtime = state.model.loaded()
         if not planned.req.stream:
-            return await whole_json(request, runtime, planned.prepared, _whole(request.app.state, runtime, planned))
+            return await whole_json(request, runtime, planned.prepared, _whole(state, runtime, planned))
         return await _streamed(request, runtime, planned, release)
 
     return await serve_generation(request, new_message_id(), _plan, respond)
@@ -98,14 +101,14 @@ def _prepared(arrival: Arrival, req: MessagesRequest) -> Planned:
     return Planned(req, prepare(arrival, to_generation(req)), thread)
 
 
-def _keep(state: Any, planned: Planned, content: list[dict[str, Any]]) -> None:
+def _keep(state: GatewayState, planned: Planned, content: list[dict[str, Any]]) -> None:
     """A threaded request's reply, kept (with the conversation) under its message's id."""
     thread = planned.thread
     if thread is not None:
         state.threads.put(thread.tenant, planned.prepared.request_id, thread.record(content), thread.continues)
 
 
-async def _whole(state: Any, runtime: Runtime, planned: Planned) -> dict[str, Any]:
+async def _whole(state: GatewayState, runtime: Runtime, planned: Planned) -> dict[str, Any]:
     prepared = planned.prepared
     answer = await runtime.service.complete(prepared)  # its errors name Messages fields already
     content = content_of(answer)
@@ -116,7 +119,7 @@ async def _whole(state: Any, runtime: Runtime, planned: Planned) -> dict[str, An
 
 
 async def _streamed(request: Request, runtime: Runtime, planned: Planned, release: Release) -> Response:
-    wire = _MessagesWire(planned, request.app.state)
+    wire = _MessagesWire(planned, gateway_state(request.app))
     return await stream_answer(request, planned.prepared, runtime.service.stream(planned.prepared), wire, release)
 
 
@@ -124,7 +127,7 @@ class _MessagesWire(WireEvents):
     """The answer's Messages events; a threaded reply is kept once the message is whole (a stream
     that ends early keeps nothing: the SDKs start a new thread then)."""
 
-    def __init__(self, planned: Planned, state: Any) -> None:
+    def __init__(self, planned: Planned, state: GatewayState) -> None:
         self.planned, self.state = planned, state
         self.stream = MessageEvents(planned.prepared.request_id, planned.prepared.model_name)
 

@@ -13,7 +13,8 @@ import json
 import logging
 import sys
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
@@ -37,6 +38,9 @@ from gateway.settings import (
     shown_value,
     split_list,
 )
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 VERSION = f"toolkv {__version__}"
 SETTINGS_EPILOG = (f"Every setting is also an environment variable {ENV_PREFIX}<NAME> and a key of the config file; "
@@ -199,16 +203,8 @@ def _run_server(settings: Settings) -> None:
     # lazy: uvicorn and the app (the model's torch, or the proxy's httpx) only when serving
     from gateway.edge.server import GraceServer, server_config
 
-    app = _app(settings)
-    GraceServer(server_config(app, settings), settings.shutdown_grace_s, lambda: end_generations(app)).run()
-
-
-def end_generations(app: Any) -> None:
-    """At the end of the shutdown grace period, end the generations still running (a proxy has none)."""
-    runtime = getattr(app.state, "runtime", None)
-    if runtime is not None:
-        runtime.engine.cut_off("the server shut down before this request finished (its shutdown grace period "
-                               "ran out); retry it")
+    app, end_generations = _app(settings)
+    GraceServer(server_config(app, settings), settings.shutdown_grace_s, end_generations).run()
 
 
 def _serve_on_ray(resolved: ResolvedSettings) -> int:
@@ -226,8 +222,10 @@ def _serve_on_ray(resolved: ResolvedSettings) -> int:
     return serve_replicas(settings)
 
 
-def _app(settings: Settings) -> Any:
-    """Proxy mode when upstreams are set (no model is loaded, torch is never imported), else the model app."""
+def _app(settings: Settings) -> tuple[FastAPI, Callable[[], None]]:
+    """Proxy mode when upstreams are set (no model is loaded, torch is never imported), else the model
+    app; and what ends the generations still running at the end of the shutdown grace period (a
+    proxy has none)."""
     if settings.upstreams:
         from gateway.api import dashboard  # lazy: the fleet view's page and numbers (no torch)
         from gateway.proxy.app import create_proxy_app  # lazy: the proxy's app and httpx
@@ -236,10 +234,11 @@ def _app(settings: Settings) -> Any:
         logging.getLogger("gateway").info("proxy mode: forwarding to %s", ", ".join(settings.upstreams))
         if settings.log_level != "debug":  # httpx logs every upstream call; a request's line is the proxy's own
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        return create_proxy_app(settings, view=upstream_view(dashboard))
-    from gateway.api.app import create_app  # lazy: the model app imports torch
+        return create_proxy_app(settings, view=upstream_view(dashboard)), lambda: None
+    from gateway.api.app import create_app, end_generations  # lazy: the model app imports torch
 
-    return create_app(settings)
+    app = create_app(settings)
+    return app, lambda: end_generations(app)
 
 
 def _check_model_source(settings: Settings) -> None:

@@ -1,13 +1,20 @@
 """The HTTP pieces every toolkv app shares, the model's and the proxy's: the exception handlers
-that render the OpenAI error envelope (Anthropic's on the Messages API's paths), reading a JSON
-body, and noticing a client that hangs up. Nothing here imports the engine (proxy mode runs
-without torch)."""
+that render the OpenAI error envelope (Anthropic's on the Messages API's paths, each answer there
+with its `request-id`), reading a JSON body, and noticing a client that hangs up. Nothing here
+imports the engine (proxy mode runs without torch).
+
+The `request-id` header: Anthropic's SDKs read it as a response's `request_id` / `_request_id`,
+and a user quotes it when something went wrong. Its value is the id toolkv logs the request
+under: the message's id (`msg_…`) once the route took the request (gateway/api/messages.py sets
+it on the request's state), or a fresh `req_…` for an answer given before that (a wrong key, a
+body too large, a shutdown cut-off: every layer inside `MessagesRequestId`, the outermost)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar, cast
 
@@ -15,7 +22,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import Counter
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.edge.admission import disconnected
 from gateway.edge.limits import check_json_depth, is_messages_path
@@ -31,13 +41,13 @@ GONE: Any = object()  # the client hung up
 T = TypeVar("T")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error as the envelope; on generation routes each is counted in
-    `app.state.metrics.requests` (labels `status`, `stream`)."""
+def install_error_handlers(app: FastAPI, requests: Counter) -> None:
+    """Every error as the envelope; on generation routes each is counted in `requests` (the app's
+    `toolkv_requests_total`, labels `status`, `stream`)."""
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path in GENERATION_PATHS:
-            request.app.state.metrics.requests.labels(status=str(exc.status_code), stream="unknown").inc()
+            requests.labels(status=str(exc.status_code), stream="unknown").inc()
         if exc.status_code >= 500:
             log.warning("request failed: %s", exc.message, extra={"toolkv": {
                 "request_id": _request_id(request), "status": exc.status_code}})
@@ -59,7 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
         """A bug: counted (`toolkv_requests_total{status="500"}` on generation routes), logged with the request
         id and the traceback, answered with a generic envelope (no internals reach the client)."""
         if request.url.path in GENERATION_PATHS:
-            request.app.state.metrics.requests.labels(status="500", stream="unknown").inc()
+            requests.labels(status="500", stream="unknown").inc()
         log.error("unhandled error", exc_info=exc, extra={"toolkv": {"request_id": _request_id(request),
                                                                       "status": 500}})
         return _rendered(request, error_envelope("internal server error", "server_error"), 500)
@@ -136,3 +146,31 @@ def param_path(loc: list[str]) -> str:
         else:
             out += ("." if out else "") + part
     return out
+
+
+REQUEST_ID_HEADER = "request-id"
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+class MessagesRequestId:
+    """Adds `request-id` to the response of every Messages API request, errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_messages_path(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})  # the dict `request.state` reads and writes
+        state.setdefault("request_id", new_request_id())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = str(state["request_id"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

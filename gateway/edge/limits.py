@@ -1,11 +1,18 @@
 """Input limits from settings: body size and read time (an ASGI middleware that answers 401, 413 or
 408 before the body is parsed), nesting depth, and the size of what a request asks the model to
-read (tools, schemas, messages)."""
+read (tools, schemas, messages).
+
+Nesting is measured without recursion: Python's `json`, jinja's `tojson`, pydantic and orjson all
+recurse on nested input, so a hostile document a few hundred levels deep exhausts the stack (a
+`RecursionError`, or a C-level recursion limit) inside whatever touches it first. Measuring the
+depth with an explicit stack, and refusing what is too deep before anything recursive sees it,
+turns that crash into a plain input error."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -13,13 +20,13 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.edge.auth import KeyRing
-from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, nesting_depth
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
 from gateway.protocol.generation import GenerationRequest
 from gateway.protocol.messages import error_body as anthropic_error
 from gateway.settings import Settings
 
 MESSAGES_PATH = "/v1/messages"  # and what is under it: errors in Anthropic's envelope
+MAX_DOCUMENT_DEPTH = 64  # a whole JSON document (a request body, a warm file) nests at most this deep
 
 
 class BodySizeLimit:
@@ -140,3 +147,40 @@ def check_request_limits(req: GenerationRequest, settings: Settings) -> None:
     for m_index, message in enumerate(req.messages):
         for c_index, call in enumerate(message.tool_calls):
             check_arguments_text(call.arguments, names.call_arguments.format(m_index, c_index))
+
+
+# ---- nesting, walked without recursion ------------------------------------------------------
+
+
+class TooDeep(ValueError):
+    """`where` nests deeper than `limit` levels."""
+
+    def __init__(self, where: str, limit: int) -> None:
+        super().__init__(f"{where} nests deeper than {limit} levels")
+        self.where = where
+        self.limit = limit
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep dicts and lists nest in `value` (a scalar is 0, `{}` and `[]` are 1), given up as
+    soon as it passes `limit` so a huge document costs no more than its first too-deep branch."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > limit:
+            break
+        stack.extend(zip(children, repeat(depth + 1)))
+    return deepest
+
+
+def check_nesting(value: Any, limit: int, where: str) -> None:
+    """Raise `TooDeep` when `value` nests deeper than `limit` levels."""
+    if nesting_depth(value, limit) > limit:
+        raise TooDeep(where, limit)

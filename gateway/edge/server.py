@@ -1,4 +1,5 @@
-"""The uvicorn server toolkv runs under, with the one defence uvicorn lacks: a header read timeout.
+"""The uvicorn server toolkv runs under, with the one defence uvicorn lacks: a header read timeout;
+and its shutdown grace period, with the answer to a request it cuts off.
 
 uvicorn closes idle keep-alive connections, and the body is bounded in time by the app
 (`gateway.edge.limits.BodySizeLimit`), but a client that connects and then sends its request line and
@@ -6,18 +7,30 @@ headers a byte at a time holds a connection (and its buffers) for as long as it 
 ("slowloris"). `HeaderTimeoutProtocol` closes a connection whose headers are not complete within
 `header_read_timeout_s` of the connection opening, or of the first byte of the next request on a
 kept-alive connection.
+
+When the shutdown grace period runs out, uvicorn cancels a request's task and, when no response
+has started, writes a text/plain 500 of its own. `CutOffAnswer`, the outermost middleware, answers
+first: a 503 in the OpenAI error envelope (`code: "shutting_down"`, with `Retry-After`), so a
+client sees an error it can read and retry elsewhere. The cancellation still runs through the app
+below it, so the job is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.edge.limits import envelope_for
+from gateway.errors import ShuttingDown, send_error
 from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
@@ -92,3 +105,32 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
                                "timeout_graceful_shutdown": int(settings.shutdown_grace_s) + 5}
     options.update(overrides)
     return uvicorn.Config(app, **options)
+
+
+class CutOffAnswer:
+    """Answers a request cancelled before its response started (uvicorn's graceful-shutdown
+    timeout) with `ShuttingDown`; one whose response has started ends as uvicorn ends it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            log.warning("request cut off by shutdown", extra={"toolkv": {"path": scope.get("path")}})
+            cut = ShuttingDown("the server shut down before this request finished (its shutdown grace period "
+                               "ran out); retry it", headers={"Retry-After": "1"})
+            await send_error(send, cut, body=envelope_for(scope.get("path", ""), cut))

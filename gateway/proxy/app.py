@@ -1,7 +1,7 @@
 """Proxy mode's app (`toolkv serve --upstream URL[,URL...]`): no model; generation requests go to
 OpenAI-compatible upstreams picked by tool-group affinity, behind the model app's edge (API keys
 and tenants, the per-key quota, body limits, the browser guard, the error envelope). Everything
-the app owns hangs on `app.state`. In `upstream_cache_salt = "tenant"` mode with keys, every
+the app owns is one `ProxyState` (gateway/proxy/state.py). In `upstream_cache_salt = "tenant"` mode with keys, every
 request names its tenant to the upstream, and only upstreams known to keep tenants apart get one
 (gateway/proxy/tenancy.py): the proxy refuses to start when an upstream cannot. How the upstreams
 are shown (`/health`, `/metrics`, the cache across them, the dashboard) is the fleet view the
@@ -40,6 +40,7 @@ from gateway.proxy.metrics import ProxyMetrics
 from gateway.proxy.response_homes import ResponseHomes, answer_response_id, stream_response_id
 from gateway.proxy.routing import affinity_key, cache_key_affinity, make_router
 from gateway.proxy.shaping import PATHS, Forward, Kind, shape
+from gateway.proxy.state import ProxyState, proxy_state
 from gateway.proxy.streaming import RelayResponse
 from gateway.proxy.upstreams import Release, UpstreamPool
 from gateway.settings import Settings
@@ -56,46 +57,48 @@ def create_proxy_app(settings: Settings, transport: httpx.AsyncBaseTransport | N
     the upstreams are shown (gateway/proxy/fleet/view.py; proxy mode's, without a dashboard, by default)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bounds = Bounds(settings.upstream_max_body_bytes, settings.upstream_event_timeout_s)
-        app.state.forwarder = Forwarder(upstream_client(settings, transport), app.state.pool, bounds)
         try:
-            await tenancy.check_at_start(app.state)
+            await tenancy.check_at_start(state)
         except BaseException:
-            await app.state.forwarder.client.aclose()
-            app.state.preparer.close()
+            await state.forwarder.client.aclose()
+            state.preparer.close()
             raise
-        watch = (asyncio.create_task(upstream_info.watch(app.state, settings.upstream_probe_s))
+        watch = (asyncio.create_task(upstream_info.watch(state, settings.upstream_probe_s))
                  if settings.upstream_probe_s > 0 else None)
         yield
         if watch is not None:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-        await app.state.forwarder.client.aclose()
-        app.state.preparer.close()
+        await state.forwarder.client.aclose()
+        state.preparer.close()
 
     app = FastAPI(title="toolkv proxy", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    state = app.state
-    state.settings = settings
-    state.metrics = ProxyMetrics()
-    state.keyring = KeyRing(settings)
-    state.quota = TenantQuota(settings.max_requests_per_key)
-    state.preparer = Preparer(max_pending=settings.max_queue)
-    state.pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, state.metrics)
-    # an upstream keeps max_stored_responses per key: more than all of theirs is never needed
-    state.response_homes = ResponseHomes(RESPONSE_HOMES, settings.max_stored_responses * len(settings.upstreams))
-    state.router = make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight)
-    state.tenant_safety = tenancy.TenantSafety(settings.upstreams, tenancy.required(settings, state.keyring.open))
-    state.fleet_view = view or upstream_view()
+    state = app.state.proxy = _state(settings, transport, view or upstream_view())
     if state.keyring.open:
         log.warning("no API keys configured: the proxy is open to anyone who can reach %s", settings.host)
     app.add_middleware(BodySizeLimit, limit_bytes=settings.max_request_bytes,
                        read_timeout_s=settings.body_read_timeout_s, keyring=state.keyring)
     install_browser_guard(app, settings)  # outermost: refuses foreign Hosts and non-JSON bodies first
-    install_error_handlers(app)
+    install_error_handlers(app, state.metrics.requests)
     _install_routes(app)
     app.include_router(fleet_routes(state.fleet_view))  # /health, /metrics, /v1/cache, the dashboard
     return app
+
+
+def _state(settings: Settings, transport: httpx.AsyncBaseTransport | None, view: FleetView) -> ProxyState:
+    metrics, keyring = ProxyMetrics(), KeyRing(settings)
+    pool = UpstreamPool(settings.upstreams, settings.upstream_down_s, metrics)
+    bounds = Bounds(settings.upstream_max_body_bytes, settings.upstream_event_timeout_s)
+    return ProxyState(
+        settings=settings, metrics=metrics, keyring=keyring, quota=TenantQuota(settings.max_requests_per_key),
+        preparer=Preparer(max_pending=settings.max_queue), pool=pool,
+        forwarder=Forwarder(upstream_client(settings, transport), pool, bounds),
+        router=make_router(settings.upstreams, settings.upstream_routing, settings.upstream_max_in_flight),
+        # an upstream keeps max_stored_responses per key: more than all of theirs is never needed
+        response_homes=ResponseHomes(RESPONSE_HOMES, settings.max_stored_responses * len(settings.upstreams)),
+        tenant_safety=tenancy.TenantSafety(settings.upstreams, tenancy.required(settings, keyring.open)),
+        fleet_view=view, ttft_windows=view.dashboard.new_ttft_windows() if view.dashboard is not None else None)
 
 
 def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -113,18 +116,18 @@ def upstream_client(settings: Settings, transport: httpx.AsyncBaseTransport | No
 def _install_routes(app: FastAPI) -> None:
     @app.get("/version")  # as a toolkv's: a proxy in tenant mode passes the tenant a trusted proxy names on
     async def version(request: Request) -> JSONResponse:
-        safety: tenancy.TenantSafety = request.app.state.tenant_safety
+        safety: tenancy.TenantSafety = proxy_state(request.app).tenant_safety
         return JSONResponse({"version": request.app.version, "tenant_salt": safety.required})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        request.app.state.keyring.tenant(request)
-        return JSONResponse(await upstream_info.models(request.app.state, upstream_headers(request)))
+        proxy_state(request.app).keyring.tenant(request)
+        return JSONResponse(await upstream_info.models(proxy_state(request.app), upstream_headers(request)))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> JSONResponse:
-        request.app.state.keyring.tenant(request)
-        listed = await upstream_info.models(request.app.state, upstream_headers(request))
+        proxy_state(request.app).keyring.tenant(request)
+        listed = await upstream_info.models(proxy_state(request.app), upstream_headers(request))
         found = next((entry for entry in listed["data"] if entry.get("id") == model_id), None)
         if found is None:
             raise ModelNotFound(f"model '{model_id[:200]}' does not exist on any upstream", param="model")
@@ -145,7 +148,7 @@ def _install_routes(app: FastAPI) -> None:
 async def _stored(request: Request, response_id: str, rest: str) -> Response:
     """A stored Responses answer, asked of the upstream that answered it (known only for this
     tenant's responses relayed since the proxy started: any other id is not found)."""
-    state = request.app.state
+    state = proxy_state(request.app)
     tenant: Tenant = state.keyring.tenant(request)
     homes: ResponseHomes = state.response_homes
     upstream = homes.home(tenant.salt, response_id)
@@ -182,7 +185,7 @@ def _endpoint(kind: Kind) -> Callable[[Request], Awaitable[Response]]:
 async def _generate(request: Request, kind: Kind) -> Response:
     """Check the key, hold one of its quota slots, shape the body (on a prepare thread), forward."""
     received = time.perf_counter()
-    state = request.app.state
+    state = proxy_state(request.app)
     request_uuid = uuid.uuid4()
     request.state.request_id = f"proxy-{request_uuid.hex}"
     request.state.upstream_request_id = str(request_uuid)  # the same digits, as a UUID (see upstream_headers)
@@ -203,7 +206,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
 
 
 async def _forward(request: Request, fwd: Forward, received: float, release: Release, tenant: Tenant) -> Response:
-    state = request.app.state
+    state = proxy_state(request.app)
     homes: ResponseHomes = state.response_homes
     exchange = Exchange(state.metrics, request.state.request_id, fwd.group_id, fwd.stream, received)
     key = cache_key_affinity(tenant.salt, fwd.cache_key) if fwd.cache_key else affinity_key(fwd.salt, fwd.group_id)
@@ -251,7 +254,7 @@ async def _forward(request: Request, fwd: Forward, received: float, release: Rel
 def _hold(request: Request, tenant: Tenant) -> Release:
     """Count the request in flight and take one of its key's quota slots; the returned callable
     gives both back (once)."""
-    state = request.app.state
+    state = proxy_state(request.app)
     quota_release = state.quota.acquire(tenant.salt) if not state.keyring.open else None
     state.metrics.in_flight.inc()
     released = False

@@ -7,6 +7,7 @@ from fastapi import Request
 
 from gateway.edge.auth import TENANT_HEADER, Tenant
 from gateway.proxy import tenancy
+from gateway.proxy.state import proxy_state
 from gateway.settings import Settings
 
 BYPASS_HEADER = "x-toolkv-cache"
@@ -20,7 +21,7 @@ def upstream_headers(request: Request, tenant: Tenant | None = None) -> dict[str
     `x-api-key`: a proxy with keys never passes its clients' keys on), and in tenant mode
     `tenant`'s own salt as `X-Toolkv-Tenant`, which a toolkv upstream that trusts this proxy's key
     takes as the request's namespace (gateway/edge/auth.py)."""
-    state = request.app.state
+    state = proxy_state(request.app)
     settings: Settings = state.settings
     headers = {"content-type": "application/json", "accept-encoding": "identity"}
     safety: tenancy.TenantSafety = state.tenant_safety

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import orjson
@@ -33,6 +33,9 @@ from gateway.errors import UpstreamUnavailable
 from gateway.proxy.bounded import Unreadable, fetch
 from gateway.proxy.routing import Route
 from gateway.settings import Settings
+
+if TYPE_CHECKING:  # its parts: the state names their types
+    from gateway.proxy.state import ProxyState
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ def required(settings: Settings, keyring_open: bool) -> bool:
     return settings.upstream_cache_salt == "tenant" and not keyring_open
 
 
-async def check_all(state: Any, urls: tuple[str, ...] | None = None) -> None:
+async def check_all(state: ProxyState, urls: tuple[str, ...] | None = None) -> None:
     """Check `urls` (every upstream by default) and note what each can do."""
     safety: TenantSafety = state.tenant_safety
     urls = tuple(safety.checks) if urls is None else urls
@@ -98,7 +101,7 @@ async def check_all(state: Any, urls: tuple[str, ...] | None = None) -> None:
         safety.note(url, result)
 
 
-async def check_at_start(state: Any) -> None:
+async def check_at_start(state: ProxyState) -> None:
     """Every upstream, before the proxy serves: TenantsNotKeptApart when one that answered cannot."""
     safety: TenantSafety = state.tenant_safety
     if not safety.required:
@@ -115,7 +118,7 @@ async def check_at_start(state: Any) -> None:
                         url, result.reason)
 
 
-async def check(state: Any, url: str) -> Check:
+async def check(state: ProxyState, url: str) -> Check:
     """Whether the upstream at `url` keeps tenants apart, from its /version (and a toolkv's key check)."""
     settings: Settings = state.settings
     try:
@@ -139,7 +142,7 @@ NEITHER = ("neither a toolkv that takes X-Toolkv-Tenant nor vLLM 0.9 or later (c
            "upstream_cache_salt = \"off\" only if every key is one tenant")
 
 
-async def _models(state: Any, url: str, tenant: bool) -> tuple[int, dict[str, Any] | None] | str:
+async def _models(state: ProxyState, url: str, tenant: bool) -> tuple[int, dict[str, Any] | None] | str:
     """The upstream's `/v1/models` status and JSON object, asked with this proxy's key (and a
     tenant header when `tenant`); why not, when it did not answer."""
     settings: Settings = state.settings
@@ -154,7 +157,7 @@ async def _models(state: Any, url: str, tenant: bool) -> tuple[int, dict[str, An
     return resp.status_code, _object(body)
 
 
-async def _is_vllm(state: Any, url: str, version: str) -> Check:
+async def _is_vllm(state: ProxyState, url: str, version: str) -> Check:
     answer = await _models(state, url, tenant=False)
     if isinstance(answer, str):
         return Check("unknown", answer)
@@ -167,7 +170,7 @@ async def _is_vllm(state: Any, url: str, version: str) -> Check:
     return Check("refused", f"version {version!r} but its models are not vLLM's: {NEITHER}")
 
 
-async def _trusts_us(state: Any, url: str) -> Check:
+async def _trusts_us(state: ProxyState, url: str) -> Check:
     """A toolkv upstream: does it take this proxy's key as a trusted proxy's?"""
     settings: Settings = state.settings
     answer = await _models(state, url, tenant=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -17,13 +17,16 @@ from gateway.proxy import tenancy
 from gateway.proxy.fan_out import UpstreamAnswer, ask_all
 from gateway.proxy.upstreams import UpstreamPool
 
+if TYPE_CHECKING:  # its parts: the state names their types
+    from gateway.proxy.state import ProxyState
+
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = ("loading", "failed")  # a toolkv upstream's /health while it cannot serve
 PROBE_BYTES = 1024**2  # a /health answer larger than this is an error
 
 
-async def probe_all(state: Any) -> list[dict[str, Any]]:
+async def probe_all(state: ProxyState) -> list[dict[str, Any]]:
     """Each upstream's status (`ok`, `loading`, `failed`, `error`, `unreachable`) and requests in flight."""
     pool: UpstreamPool = state.pool
     safety: tenancy.TenantSafety = state.tenant_safety
@@ -47,7 +50,7 @@ async def probe_all(state: Any) -> list[dict[str, Any]]:
     return rows
 
 
-async def watch(state: Any, period_s: float) -> None:
+async def watch(state: ProxyState, period_s: float) -> None:
     """Probe every upstream each `period_s` until cancelled, so that one which stopped answering is
     routed around before a request finds out (and one back in service gets its groups back)."""
     while True:
@@ -78,7 +81,7 @@ def _status_field(body: bytes) -> str | None:
     return status if isinstance(status, str) else None
 
 
-async def models(state: Any, headers: dict[str, str]) -> dict[str, Any]:
+async def models(state: ProxyState, headers: dict[str, str]) -> dict[str, Any]:
     """Every model the upstreams list, once each (the first upstream's entry of an id wins)."""
     pool: UpstreamPool = state.pool
     answers = await ask_all(state.forwarder.client, pool.urls, "GET", "/v1/models", headers=headers,

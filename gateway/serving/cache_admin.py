@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from adapters.base import ChatMessage, ToolGroup, ToolSpec
 from adapters.render import RenderError
-from gateway.edge.nesting import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
+from gateway.edge.limits import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.engine import Engine, TooLarge
 from gateway.errors import APIError, BadRequest, ContextLengthExceeded
 from gateway.kvcache.entry import CacheEntry

@@ -20,7 +20,6 @@ from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.plan import engine_plan
 from gateway.engine.stats import Snapshot, take_snapshot
-from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.keys import CacheIdentity
 from gateway.kvcache.ram_tier import RamTier
@@ -121,16 +120,6 @@ class Runtime:
         for (event, label), count in self.store.tally.drain().items():
             counter = m.evictions.labels(tier=label) if event == "eviction" else m.cache_errors.labels(kind=label)
             counter.inc(count)
-
-
-def loaded_runtime(state: Any) -> Runtime:
-    """The app's runtime, or 503 (with Retry-After while the model loads) when there is none yet."""
-    runtime: Runtime | None = state.runtime
-    if runtime is not None:
-        return runtime
-    if state.load_error:
-        raise ModelLoadFailed(f"the model failed to load: {state.load_error}")
-    raise ModelLoading("the model is still loading; retry shortly", headers={"Retry-After": "5"})
 
 
 def build_runtime(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> Runtime:

@@ -43,8 +43,7 @@ from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.generation import GenerationRequest, Sampling
-from gateway.serving.accounting import Accounting
-from gateway.serving.answers import StreamedAnswer, content_and_calls
+from gateway.serving.answers import Accounting, StreamedAnswer, content_and_calls
 from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,

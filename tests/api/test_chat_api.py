@@ -243,7 +243,7 @@ def test_every_response_and_chunk_names_the_same_system_fingerprint(live, client
 def test_a_client_that_hangs_up_mid_stream_is_counted_with_the_tokens_it_was_sent(live):
     """The request log and `toolkv_generated_tokens_total` count what was generated for a client
     that left (before, 0: only a finished answer's count was taken)."""
-    metrics = live.app.state.metrics
+    metrics = live.app.state.gateway.metrics
     generated, hangups = metrics.generated_tokens._value.get(), metrics.requests.labels(status="499", stream="true")
     left_before = hangups._value.get()
     body = {"model": "tiny-llama", "messages": ask("Count forever"), "max_tokens": 3000, "stream": True,

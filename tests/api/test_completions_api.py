@@ -130,9 +130,9 @@ def test_a_seed_repeats_a_sampled_completion(client):
 
 
 def test_a_client_that_hangs_up_cancels_its_generation(live):
-    engine = live.app.state.runtime.engine
+    engine = live.app.state.gateway.model.runtime.engine
     cancelled = engine.num_cancelled
-    hangups = live.app.state.metrics.requests.labels(status="499", stream="false")
+    hangups = live.app.state.gateway.metrics.requests.labels(status="499", stream="false")
     before = hangups._value.get()
     # greedy: this model's greedy answer runs to max_tokens (~7 s here), where a sampled one may draw
     # its end token before the client hangs up (it did once in CI)

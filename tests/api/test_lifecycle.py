@@ -51,7 +51,7 @@ def test_health_says_ok_only_once_the_first_grammars_one_time_work_is_done(live)
     """A first request with tools used to pay llguidance's view of the vocabulary and the closing
     token sets (about a second on the CPU) on top of its own work: the server pays it at start-up,
     and a first tool request compiles only its own grammar."""
-    grammars = live.app.state.runtime.service.grammars
+    grammars = live.app.state.gateway.model.runtime.service.grammars
     assert grammars.warmed
     compiles = grammars.compiles
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
@@ -73,7 +73,7 @@ def test_event_loop_serves_health_while_a_generation_runs(live):
 
 
 def test_client_disconnect_stops_its_generation(live):
-    engine = live.app.state.runtime.engine
+    engine = live.app.state.gateway.model.runtime.engine
     before = engine.num_cancelled
     body = {"messages": [{"role": "user", "content": "Count forever"}], "max_tokens": 3000, "temperature": 0,
             "stream": True}

@@ -166,11 +166,11 @@ def test_a_streamed_response_can_be_continued(live, client):
 
 
 def requests_counted(live, status: str, stream: str) -> float:
-    return float(live.app.state.metrics.requests.labels(status=status, stream=stream)._value.get())
+    return float(live.app.state.gateway.metrics.requests.labels(status=status, stream=stream)._value.get())
 
 
 def test_a_streaming_client_that_hangs_up_stops_its_generation(live):
-    engine = live.app.state.runtime.engine
+    engine = live.app.state.gateway.model.runtime.engine
     cancelled, hangups = engine.num_cancelled, requests_counted(live, "499", "true")
     body = {"model": MODEL, "input": "Count forever", "max_output_tokens": 3000, "stream": True,
             "temperature": 0}  # greedy runs to the limit; a sampled answer might end before the hang-up

@@ -113,7 +113,7 @@ def test_table_and_page_show_both_columns(run):
 
 
 def test_report_carries_the_servers_memory(run, live: LiveServer):
-    memory = live.app.state.runtime.engine.runner.memory()
+    memory = live.app.state.gateway.model.runtime.engine.runner.memory()
     assert run[0]["memory"] == {"weights_bytes": memory.weights_bytes, "kv_pool_bytes": memory.kv_pool_bytes,
                                 "cuda_graphs_bytes": 0}
 

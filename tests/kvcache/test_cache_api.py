@@ -109,7 +109,7 @@ def test_a_removal_the_disk_refuses_is_an_error_not_a_deletion(api: httpx.Client
     """On a read-only cache dir, DELETE said `deleted: true` while the file stayed, to be read again
     at the next start. Here the entry's name holds a directory, which no unlink removes."""
     warmed = _warm(api, tools=TOOLS, system=SYSTEM)
-    path = live.app.state.settings.resolved_cache_dir / "kv" / f"{warmed['id']}.safetensors"
+    path = live.app.state.gateway.settings.resolved_cache_dir / "kv" / f"{warmed['id']}.safetensors"
     path.unlink()
     path.mkdir()
     try:
@@ -126,7 +126,7 @@ def test_a_pin_the_disk_refuses_is_a_507_not_a_pin_lost_at_restart(api: httpx.Cl
     """On a read-only cache dir a pin answered 200 while it lived in memory only: lost at the next
     start, unseen by the other servers on the dir. chattr +i: permissions do not stop root."""
     warmed = _warm(api, tools=TOOLS, system=SYSTEM)
-    root = live.app.state.settings.resolved_cache_dir
+    root = live.app.state.gateway.settings.resolved_cache_dir
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(root)], capture_output=True).returncode:
         pytest.skip("chattr +i is not available here")
     try:
@@ -155,7 +155,7 @@ def test_routes_change_the_store_on_the_engine_thread_only(api: httpx.Client, li
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine owns the RAM tier and the pool's block counts (kvcache/owner.py): a delete, a
     clear and a listing reach them through `engine.call`, never from a route's worker thread."""
-    ram = live.app.state.runtime.store.ram
+    ram = live.app.state.gateway.model.runtime.store.ram
     threads: set[str] = set()
 
     def spy(name: str) -> None:

@@ -108,10 +108,12 @@ def test_stats_have_no_engine_before_the_model_has_loaded() -> None:
     from fastapi.testclient import TestClient
 
     from gateway.api import dashboard
+    from gateway.api.app import new_state
+    from gateway.settings import load_settings
 
     app = FastAPI()
     app.include_router(dashboard.router)
-    app.state.metrics, app.state.runtime, app.state.load_error = Metrics(), None, None
+    app.state.gateway = new_state(load_settings(environ={}))  # no model: still loading
     body = TestClient(app).get("/v1/dashboard/stats").json()
     assert body["status"] == "loading" and body["engine"] is None and body["groups"] == []
 

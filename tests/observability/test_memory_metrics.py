@@ -34,7 +34,7 @@ def _memory_samples(metrics: Metrics) -> dict[str, float]:
 
 
 def test_runner_counts_the_weights_once_each_and_the_whole_pool(server: LiveServer) -> None:
-    runtime = server.app.state.runtime
+    runtime = server.app.state.gateway.model.runtime
     model, runner = runtime.loaded.model, runtime.engine.runner
     # A tied weight is listed once; toolkv's own model (engine/models/llama.py) fuses q/k/v and
     # gate/up as views of these same tensors, so the checkpoint's weights, each once, are all of it.
@@ -58,7 +58,7 @@ def test_the_gauge_has_one_series_per_part_once_the_engine_says() -> None:
 
 
 def test_a_gateway_exports_what_its_engine_holds(server: LiveServer) -> None:
-    memory = server.app.state.runtime.engine.runner.memory()
+    memory = server.app.state.gateway.model.runtime.engine.runner.memory()
     _, families = scrape(server)
     exported = {s.labels["part"]: s.value for s in families["toolkv_memory_bytes"].samples}
     assert exported == {"weights": memory.weights_bytes, "kv_pool": memory.kv_pool_bytes, "cuda_graphs": 0}

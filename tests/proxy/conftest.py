@@ -26,7 +26,7 @@ from gateway.proxy.fleet.view import upstream_view
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.settings import Settings, load_settings
 from tests.proxy.fake_upstream import Arrivals, FakeUpstream
-from tests.support.server import free_port, wait_until_ready
+from tests.support.server import app_settings, free_port, wait_until_ready
 from tests.support.waiting import wait_until
 
 MODEL = "tiny-llama"
@@ -56,7 +56,7 @@ class Running:
 @contextmanager
 def running(app: FastAPI) -> Iterator[Running]:
     port = free_port()
-    server = uvicorn.Server(server_config(app, app.state.settings, host="127.0.0.1", port=port,
+    server = uvicorn.Server(server_config(app, app_settings(app), host="127.0.0.1", port=port,
                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

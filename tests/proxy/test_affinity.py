@@ -182,7 +182,7 @@ def test_a_hot_group_over_the_bound_spreads_to_its_second_upstream(toolkv_upstre
     system = "You are very popular."
     body = {"model": MODEL, "messages": messages(system, "Write a long story."), "tools": TOOLS,
             "tool_choice": "none", "temperature": 0, "max_tokens": 3000, "stream": True}
-    engines = [u.app.state.runtime.engine for u in toolkv_upstreams]
+    engines = [u.app.state.gateway.model.runtime.engine for u in toolkv_upstreams]
     cancelled = [engine.num_cancelled for engine in engines]
     with proxy(toolkv_upstreams, upstream_max_in_flight=1) as live:
         url = live.api_url + "/chat/completions"

@@ -40,8 +40,7 @@ from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache import pins as pins_module
 from gateway.kvcache.block_pool import BlockPool, PoolShape
 from gateway.kvcache.pins import Pins
-from gateway.serving.grammars import grammar_bytes
-from gateway.serving.schema_memo import SchemaMemo
+from gateway.serving.grammars import SchemaMemo, grammar_bytes
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
 
@@ -115,7 +114,7 @@ def test_small_continuations_pinning_a_big_response_stay_within_the_key_budget(k
     big one leaves the index, but its turn stays alive in every continuation's conversation. What
     the key really holds (measured by walking the kept responses) stays within its budget and
     equals the store's own count: the oldest continuations are evicted, the newest continued."""
-    store: ResponseStore = keyed.app.state.responses
+    store: ResponseStore = keyed.app.state.gateway.responses
     last = respond(keyed, KEY_A, input=filler(8000, "the big one"))
     ids = [last["id"]]
     for n in range(15):
@@ -133,7 +132,7 @@ def test_small_continuations_pinning_a_big_response_stay_within_the_key_budget(k
 
 
 def test_a_continuation_whose_chain_alone_exceeds_the_budget_is_refused_before_any_work(keyed):
-    store: ResponseStore = keyed.app.state.responses
+    store: ResponseStore = keyed.app.state.gateway.responses
     first = respond(keyed, KEY_B, input=filler(4000, "first"))
     before = store.tenant_bytes(SALT_B)
     big_next = {"input": filler(9000, "second"), "previous_response_id": first["id"], "max_output_tokens": 3}
@@ -151,7 +150,7 @@ def test_a_continuation_whose_chain_alone_exceeds_the_budget_is_refused_before_a
 def test_a_response_the_store_cannot_take_says_store_false(keyed):
     """Its input passes the check made before any work, but with its answer the response is over the
     key's budget: it said `"store": true`, then GET was a 404 and continuing it a 400."""
-    store: ResponseStore = keyed.app.state.responses
+    store: ResponseStore = keyed.app.state.gateway.responses
     before = store.tenant_bytes(SALT_B)
     body = respond(keyed, KEY_B, input=filler(STORE_BUDGET * 48 // 100, "near the budget"))  # twice kept: turn, item
     assert store.get(SALT_B, body["id"]) is None and store.tenant_bytes(SALT_B) == before
@@ -178,7 +177,7 @@ def structured(live: LiveServer, key: str, schema: dict[str, Any]) -> None:
 def test_the_grammar_cache_is_bounded_by_bytes_not_by_count(keyed):
     """Four distinct ~25 KB schemas (each grammar estimated at ~1 MB): at most what fits the
     3 MiB budget is kept, the least recently used first out."""
-    grammars = keyed.app.state.runtime.service.grammars
+    grammars = keyed.app.state.gateway.model.runtime.service.grammars
     for n in range(4):
         structured(keyed, KEY_A, answer_schema(n, 25_000))
     kept = [g for g in grammars.cached(SALT_A) if "d" * 25_000 in g]
@@ -192,7 +191,7 @@ def test_the_grammar_cache_is_bounded_by_bytes_not_by_count(keyed):
 def test_one_keys_many_schemas_evict_its_own_grammars_not_another_keys(keyed):
     """Key A sends schema after schema; key B's one grammar stays compiled (its next request does
     not pay for A's flood): past the budget, the key keeping the most gives up its oldest."""
-    grammars = keyed.app.state.runtime.service.grammars
+    grammars = keyed.app.state.gateway.model.runtime.service.grammars
     structured(keyed, KEY_B, answer_schema(100, 25_000))
     [mine] = [g for g in grammars.cached(SALT_B) if "field_100" in g]
     compiles = grammars.compiles
@@ -217,7 +216,7 @@ def tool_group(n: int) -> list[dict[str, Any]]:
 def test_remembered_tokenizer_heads_are_bounded_in_bytes_per_key(keyed):
     """Five distinct ~10 KB tool groups from one key: its heads stay within its share of the
     budget (a quarter), so the first groups are forgotten although the count bound (64) is far."""
-    tokens = keyed.app.state.runtime.service.prompt_tokens
+    tokens = keyed.app.state.gateway.model.runtime.service.prompt_tokens
     for n in range(5):
         resp = post(keyed, "/chat/completions", KEY_A, {
             "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "hi"}],

@@ -56,7 +56,7 @@ class CountingTokenizer:
 
 @pytest.fixture
 def counting(keyed) -> Iterator[CountingTokenizer]:
-    service = keyed.app.state.runtime.service
+    service = keyed.app.state.gateway.model.runtime.service
     real = service.prompt_tokens.tokenizer
     wrapper = CountingTokenizer(real)
     service.prompt_tokens.tokenizer = service.tokenizer = wrapper
@@ -99,7 +99,7 @@ def test_tool_schemas_beyond_the_context_are_refused_before_tokenizing(keyed, co
 
 
 def test_a_tenant_never_hits_a_grammar_another_tenant_compiled(keyed):
-    grammars = keyed.app.state.runtime.service.grammars
+    grammars = keyed.app.state.gateway.model.runtime.service.grammars
     schema = {"type": "object", "properties": {"pin": {"type": "string", "pattern": "^[0-9]{4}$"}},
               "required": ["pin"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "pin", "schema": schema}}

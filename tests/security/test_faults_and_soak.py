@@ -25,7 +25,7 @@ class ExplodingModel:
 
 
 def test_exception_in_generation_ends_that_request_only(live):
-    runner = live.app.state.runtime.engine.runner  # the one place the engine calls the model
+    runner = live.app.state.gateway.model.runtime.engine.runner  # the one place the engine calls the model
     real = runner.model
     runner.model = ExplodingModel(real)
     try:

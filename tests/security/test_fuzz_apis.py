@@ -28,7 +28,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.edge.nesting import MAX_DOCUMENT_DEPTH
+from gateway.edge.limits import MAX_DOCUMENT_DEPTH
 from gateway.settings import load_settings
 from tests.conftest import SPEC
 from tests.support.server import LiveServer, serve
@@ -123,7 +123,7 @@ def assert_answered_well(resp: httpx.Response) -> None:
 
 def assert_no_5xx_counted(live: LiveServer) -> None:
     """Nothing the server answered (streams' ends included) was counted as a 5xx."""
-    registry = live.app.state.metrics.registry
+    registry = live.app.state.gateway.metrics.registry
     for metric in registry.collect():
         if metric.name == "toolkv_requests":
             fives = [s for s in metric.samples if s.labels.get("status", "").startswith("5") and s.value]

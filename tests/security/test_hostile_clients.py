@@ -35,7 +35,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def requests_counted(live, status: str, stream: str) -> float:
-    metric = live.app.state.metrics.requests.labels(status=status, stream=stream)
+    metric = live.app.state.gateway.metrics.requests.labels(status=status, stream=stream)
     return float(metric._value.get())
 
 
@@ -90,7 +90,7 @@ def open_request(live, payload: dict, key: str) -> socket.socket:
 
 
 def test_one_key_cannot_hold_more_than_its_quota_and_others_still_get_served(live):
-    quota, salt = live.app.state.quota, _salt(live, KEYS[0])
+    quota, salt = live.app.state.gateway.quota, _salt(live, KEYS[0])
     held = [open_request(live, LONG, KEYS[0]), open_request(live, dict(LONG, stream=True), KEYS[0])]
     try:
         assert wait_until(lambda: quota.held(salt) == 2)  # one running, one queued behind it
@@ -115,7 +115,7 @@ def _salt(live, key: str) -> str:
 
 
 def test_a_non_streaming_client_that_hangs_up_cancels_its_generation(live, caplog):
-    engine = live.app.state.runtime.engine
+    engine = live.app.state.gateway.model.runtime.engine
     cancelled_before = engine.num_cancelled
     hangups_before = requests_counted(live, "499", "false")
     ok_before = requests_counted(live, "200", "false")
@@ -140,7 +140,7 @@ def test_a_streaming_client_that_hangs_up_is_counted_as_499(live):
 
 
 def test_an_unexpected_error_is_a_counted_500_logged_with_its_request_id(live, caplog):
-    service = live.app.state.runtime.service
+    service = live.app.state.gateway.model.runtime.service
     real = service.prepare
 
     def broken(*args, **kwargs):  # fault injection: a bug in preparing
@@ -167,7 +167,7 @@ def test_one_tenant_cannot_time_another_tenants_system_prompt_and_tools(live, me
     Server-Timing and in how fast a 400 comes back) are per tenant: B's first sight of a group A sent
     is as slow as if nobody had sent it. A rejected request (max_tokens over the context) leaves
     nothing behind either."""
-    tokens = live.app.state.runtime.service.prompt_tokens
+    tokens = live.app.state.gateway.model.runtime.service.prompt_tokens
     body = {"messages": [{"role": "system", "content": "Tenant A's secret prompt."},
                          {"role": "user", "content": "hi"}],
             "tools": merchant_tools[:3], "tool_choice": "none", "max_tokens": 2, "temperature": 0}

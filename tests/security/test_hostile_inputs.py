@@ -112,7 +112,7 @@ def test_unsupported_fields_at_their_no_op_defaults_are_accepted(live):
 
 
 def test_oversized_prompts_are_rejected_without_tokenizing_and_leave_nothing_behind(live):
-    service = live.app.state.runtime.service
+    service = live.app.state.gateway.model.runtime.service
     chars = service.context_len * service.max_token_chars + 1
     before = service.prompt_tokens.remembered()
     for index in range(3):  # distinct system prompts, as in the report: each used to leave its head behind
@@ -134,7 +134,7 @@ def test_oversized_prompts_are_rejected_without_tokenizing_and_leave_nothing_beh
 def test_long_prompts_are_prepared_off_the_event_loop(live):
     """Three long prompts (rendered and tokenized on worker threads) while /health is polled: the
     loop answers each poll at once. Before, rendering ran on the loop and /health took 10-21 s."""
-    service = live.app.state.runtime.service
+    service = live.app.state.gateway.model.runtime.service
     text = " ".join(f"w{i}" for i in range(service.context_len * 2))  # far over the context in tokens
     assert len(text) < service.context_len * service.max_token_chars  # ... but not by characters
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}

@@ -116,7 +116,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
                                         "cache_dir": str(tmp_path)}, environ={})
     hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with serve(settings) as live:
-        engine = live.app.state.runtime.engine
+        engine = live.app.state.gateway.model.runtime.engine
         release, started = threading.Event(), threading.Event()
         blocker = engine.call(lambda: (started.set(), release.wait(60)))  # occupies the engine thread
         assert started.wait(30)

@@ -98,7 +98,7 @@ def send(live, key: str, payload: dict[str, Any], results: dict[str, int], label
 
 
 def test_one_keys_prepare_backlog_does_not_hold_up_another_keys_request(keyed, gate, merchant_tools):
-    preparer: Preparer = keyed.app.state.preparer
+    preparer: Preparer = keyed.app.state.gateway.preparer
     results: dict[str, int] = {}
     a_labels = [f"A{i}" for i in range(BACKLOG)]
     senders = [threading.Thread(target=send, args=(keyed, KEY_A, big_request(label, merchant_tools[:12]),

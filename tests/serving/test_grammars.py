@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 from adapters.base import ChatMessage, ToolCallIn, ToolSpec
 from adapters.families import get_family
 from gateway.engine.constraints import GrammarLimit
-from gateway.serving.grammar_text import closed, json_grammar, tool_grammar
 from gateway.serving.grammars import GrammarError, Grammars
+from gateway.serving.output_grammar import closed, json_grammar, tool_grammar
 from tests.support.family_models import SETUPS, save_family_tokenizer
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset

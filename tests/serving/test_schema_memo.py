@@ -11,8 +11,8 @@ import pytest
 
 from adapters.base import ToolSpec
 from adapters.families import get_family
-from gateway.serving.grammar_text import json_rule, tool_grammar
-from gateway.serving.schema_memo import SchemaMemo
+from gateway.serving.grammars import SchemaMemo
+from gateway.serving.output_grammar import json_rule, tool_grammar
 from tests.conftest import WORKLOADS
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.api.responses.store import ResponseStore, StoredResponse
+from gateway.api.responses.store import StoredResponse
+from gateway.api.state import gateway_state
 from gateway.edge.handlers import validation_error
 from gateway.errors import BadRequest, NotFound
 from gateway.protocol.responses import FunctionCallItem, InputItem, MessageItem, TextPart
@@ -34,7 +35,7 @@ class InputItemsQuery(BaseModel):
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
-    request.app.state.keyring.tenant(request)  # a missing key is a 401 before anything else
+    gateway_state(request.app).keyring.tenant(request)  # a missing key is a 401 before anything else
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise BadRequest("'stream' is not supported here: a kept response is returned whole", param="stream",
                          code="unsupported_parameter")
@@ -43,9 +44,9 @@ async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> JSONResponse:
-    tenant = request.app.state.keyring.tenant(request)
-    store: ResponseStore = request.app.state.responses
-    if not store.delete(tenant.salt, response_id):
+    state = gateway_state(request.app)
+    tenant = state.keyring.tenant(request)
+    if not state.responses.delete(tenant.salt, response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -60,9 +61,9 @@ async def list_input_items(request: Request, response_id: str) -> JSONResponse:
 
 
 def _stored(request: Request, response_id: str) -> StoredResponse:
-    tenant = request.app.state.keyring.tenant(request)  # 401 before anything is looked up
-    store: ResponseStore = request.app.state.responses
-    stored = store.find(tenant.salt, response_id)  # kept, or still running (`in_progress`)
+    state = gateway_state(request.app)
+    tenant = state.keyring.tenant(request)  # 401 before anything is looked up
+    stored = state.responses.find(tenant.salt, response_id)  # kept, or still running (`in_progress`)
     if stored is None:
         raise _not_found(response_id)
     return stored

@@ -15,18 +15,22 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from gateway.api.generation import (
+    SSE,
     Arrival,
     Release,
+    WireEvents,
+    named,
     parse_model,
     prepare,
     serve_generation,
+    stream_answer,
     whole_json,
 )
 from gateway.api.responses.retrieval import listed_items
 from gateway.api.responses.retrieval import router as retrieval_router
 from gateway.api.responses.store import ResponseStore, StoredResponse, Turn
 from gateway.api.responses.stream import ResponseEvents
-from gateway.api.streaming import SSE, WireEvents, named, stream_answer
+from gateway.api.state import GatewayState, gateway_state
 from gateway.errors import APIError, BadRequest, GenerationFailed
 from gateway.protocol.answer import AnswerEvent, Ended, Started
 from gateway.protocol.responses import ResponsesRequest, input_messages, to_generation
@@ -39,20 +43,18 @@ from gateway.protocol.responses_output import (
     usage_of,
 )
 from gateway.serving.jobs import Prepared
-from gateway.serving.runtime import Runtime, loaded_runtime
+from gateway.serving.runtime import Runtime
 
 router = APIRouter()
 
 
-def install(app: FastAPI) -> None:
-    """The routes, and the store `previous_response_id` and GET read (sized by `max_stored_responses`,
-    `max_stored_response_bytes` per key and `max_stored_response_bytes_total`), its bytes a gauge."""
-    settings = app.state.settings
-    store = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes,
-                          settings.max_stored_response_bytes_total)
-    app.state.responses = store
-    app.state.metrics.responses_store_bytes.set_function(lambda: store.num_bytes)
-    budgets = app.state.metrics.memory_budget_bytes
+def install(app: FastAPI, state: GatewayState) -> None:
+    """The routes, and the gauges of the store `previous_response_id` and GET read (`state.responses`,
+    sized by `max_stored_responses`, `max_stored_response_bytes` per key and
+    `max_stored_response_bytes_total`): its bytes and budgets."""
+    settings, store = state.settings, state.responses
+    state.metrics.responses_store_bytes.set_function(lambda: store.num_bytes)
+    budgets = state.metrics.memory_budget_bytes
     budgets.labels(structure="responses_store").set(settings.max_stored_response_bytes_total)
     budgets.labels(structure="responses_store_per_key").set(settings.max_stored_response_bytes)
     app.include_router(router)
@@ -75,8 +77,8 @@ class Planned:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     async def respond(planned: Planned, release: Release) -> Response:
-        runtime = loaded_runtime(request.app.state)
-        store: ResponseStore = request.app.state.responses
+        state = gateway_state(request.app)
+        runtime, store = state.model.loaded(), state.responses
         if not planned.req.stream:
             return await whole_json(request, runtime, planned.prepared, _whole(runtime, planned, store))
         return await _streamed(request, runtime, planned, store, release)
@@ -104,8 +106,7 @@ def _plan(arrival: Arrival) -> Planned:
 def _previous(arrival: Arrival, response_id: str | None) -> Turn | None:
     if response_id is None:
         return None
-    store: ResponseStore = arrival.state.responses
-    stored = store.get(arrival.tenant.salt, response_id)  # another tenant's id is not found either
+    stored = arrival.state.responses.get(arrival.tenant.salt, response_id)  # another tenant's id is not found either
     if stored is None:
         raise BadRequest(f"Previous response with id '{response_id[:100]}' not found.",
                          param="previous_response_id", code="previous_response_not_found")

@@ -27,6 +27,7 @@ from gateway.proxy.fleet.pins import add_pin_routes
 from gateway.proxy.fleet.view import CHANGE_TIMEOUT_S, FleetView, ask_members, fleet_pinned, liveness, view_of
 from gateway.proxy.headers import upstream_headers
 from gateway.proxy.routing import affinity_key
+from gateway.proxy.state import proxy_state
 
 router = APIRouter()
 add_pin_routes(router)
@@ -34,7 +35,7 @@ add_pin_routes(router)
 
 @router.get("/v1/cache")
 async def list_entries(request: Request) -> Response:
-    request.app.state.keyring.admin(request)
+    proxy_state(request.app).keyring.admin(request)
     view = view_of(request)
     answers = await ask_members(request, "GET", "/v1/cache")
     if (refusal := _refusal(answers)) is not None:
@@ -51,7 +52,7 @@ async def list_entries(request: Request) -> Response:
 
 @router.get("/v1/cache/{entry_id}")
 async def get_entry(entry_id: str, request: Request) -> Response:
-    request.app.state.keyring.admin(request)
+    proxy_state(request.app).keyring.admin(request)
     view = view_of(request)
     digest = checked_id(entry_id)
     answers = await ask_members(request, "GET", f"/v1/cache/{digest}")
@@ -66,7 +67,7 @@ async def get_entry(entry_id: str, request: Request) -> Response:
 
 @router.delete("/v1/cache/{entry_id}")
 async def delete_entry(entry_id: str, request: Request) -> Response:
-    request.app.state.keyring.admin(request)
+    proxy_state(request.app).keyring.admin(request)
     view = view_of(request)
     digest = checked_id(entry_id)
     answers = await ask_members(request, "DELETE", f"/v1/cache/{digest}", CHANGE_TIMEOUT_S)
@@ -83,7 +84,7 @@ async def delete_entry(entry_id: str, request: Request) -> Response:
 
 @router.delete("/v1/cache")
 async def clear(request: Request) -> Response:
-    request.app.state.keyring.admin(request)
+    proxy_state(request.app).keyring.admin(request)
     view = view_of(request)
     answers = await ask_members(request, "DELETE", "/v1/cache", CHANGE_TIMEOUT_S)
     if (refusal := _refusal(answers)) is not None:
@@ -100,7 +101,7 @@ async def clear(request: Request) -> Response:
 @router.post("/v1/cache/warm")
 async def warm(request: Request) -> Response:
     """On the server the group's requests go to (the router's first choice for its key)."""
-    state = request.app.state
+    state = proxy_state(request.app)
     tenant = state.keyring.admin(request)
     view = view_of(request)
     body = await request.body()

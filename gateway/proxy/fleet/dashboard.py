@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics_core import Metric
 
@@ -25,6 +25,7 @@ from gateway.proxy import upstream_info
 from gateway.proxy.fan_out import UpstreamAnswer
 from gateway.proxy.fleet.metrics import fleet_families, only_member
 from gateway.proxy.fleet.view import FleetView, ask_members, fleet_pinned, fleet_status, view_of
+from gateway.proxy.state import proxy_state
 
 PAGE_LABEL = "replica"  # what the page calls a server, in its rows and in the series it reads
 
@@ -57,7 +58,7 @@ class Dashboard(Protocol):
 
     def engine(self, families: Sequence[Metric], view: EngineView) -> dict[str, Any]: ...
 
-    def ttft_windows(self, app: FastAPI) -> TtftWindows: ...
+    def new_ttft_windows(self) -> TtftWindows: ...
 
     def ttft_ceiling_ms(self, windows: Sequence[dict[str, Any]]) -> float | None: ...
 
@@ -73,7 +74,7 @@ class Collected:
 
 
 async def fleet_stats(request: Request) -> JSONResponse:
-    state = request.app.state
+    state = proxy_state(request.app)
     state.keyring.admin(request)  # tool names of every tenant, as on a single gateway
     view = view_of(request)
     page = view.dashboard
@@ -83,7 +84,8 @@ async def fleet_stats(request: Request) -> JSONResponse:
         ask_members(request, "GET", "/v1/dashboard/stats"))
     families = await fleet_families(request, scraped, PAGE_LABEL)
     own = _own_stats(view, stats)
-    windows = page.ttft_windows(request.app)
+    windows = state.ttft_windows
+    assert windows is not None, "made with the dashboard"
     windows.sample(Collected(families), time.time())
     rows = [{"name": (name := view.name(p["url"])), "status": p["status"], "in_flight": p["in_flight"],
              **page.totals(only_member(families, PAGE_LABEL, name))} for p in probes]

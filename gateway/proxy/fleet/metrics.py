@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from gateway.proxy.fan_out import UpstreamAnswer
 from gateway.proxy.fleet.view import ask_members, view_of
+from gateway.proxy.state import proxy_state
 
 OWN_KEPT_PREFIXES = ("toolkv_upstream_", "process_")  # the app's series no server has
 
@@ -27,7 +28,7 @@ async def fleet_collector(request: Request, answers: list[UpstreamAnswer] | None
     """The app's series and every server's (`answers` to `GET /metrics`: asked here when not given),
     each server's labelled `label` (the view's member by default)."""
     view = view_of(request)
-    own = generate_latest(request.app.state.metrics.registry).decode()
+    own = generate_latest(proxy_state(request.app).metrics.registry).decode()
     answers = answers if answers is not None else await ask_members(request, "GET", "/metrics")
     texts = {view.name(a.url): a.body.decode(errors="replace") if a.ok else "" for a in answers}
     return FleetCollector(own, texts, label or view.member, view.own_prefix)

@@ -21,6 +21,7 @@ from gateway.edge.cache_ids import checked_id, unknown_entry
 from gateway.errors import UpstreamUnavailable
 from gateway.proxy.fan_out import UpstreamAnswer
 from gateway.proxy.fleet.view import FleetView, ask_members, liveness, view_of
+from gateway.proxy.state import proxy_state
 
 PIN_PATH = "/v1/cache/{entry_id}/pin"
 PIN_TIMEOUT_S = 30.0  # pinning writes the pin file under its lock, and may list a large disk tier
@@ -39,7 +40,7 @@ def add_pin_routes(router: APIRouter) -> None:
 
 
 async def change_pin(request: Request, method: Literal["POST", "DELETE"], entry_id: str) -> Response:
-    request.app.state.keyring.admin(request)
+    proxy_state(request.app).keyring.admin(request)
     view = view_of(request)
     digest = checked_id(entry_id)
     # a POST carries JSON (a toolkv's browser guard asks for it)

@@ -14,6 +14,7 @@ from gateway.proxy import upstream_info
 from gateway.proxy.fleet import cache, dashboard
 from gateway.proxy.fleet.metrics import fleet_collector
 from gateway.proxy.fleet.view import FleetView, fleet_status, view_of
+from gateway.proxy.state import proxy_state
 
 
 def fleet_routes(view: FleetView) -> APIRouter:
@@ -32,7 +33,7 @@ def fleet_routes(view: FleetView) -> APIRouter:
 async def health(request: Request) -> JSONResponse:
     """`ok` when every server serves, `degraded` when some do (200 both), `failed` when none does (503)."""
     view = view_of(request)
-    probes = await upstream_info.probe_all(request.app.state)
+    probes = await upstream_info.probe_all(proxy_state(request.app))
     rows = [{view.name_key: view.name(p["url"]), **{k: v for k, v in p.items() if k != "url"}} for p in probes]
     status = fleet_status(rows)
     return JSONResponse({"status": status, "mode": view.mode, view.members: rows},
@@ -46,4 +47,4 @@ async def merged_metrics(request: Request) -> Response:
 
 
 async def own_metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(proxy_state(request.app).metrics.registry), media_type=CONTENT_TYPE_LATEST)

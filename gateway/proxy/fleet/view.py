@@ -16,6 +16,7 @@ from fastapi import Request
 
 from gateway.proxy.fan_out import UpstreamAnswer, ask_all
 from gateway.proxy.headers import upstream_headers
+from gateway.proxy.state import proxy_state
 
 if TYPE_CHECKING:
     from gateway.proxy.fleet.dashboard import Dashboard
@@ -58,7 +59,7 @@ def host_name(url: str) -> str:
 
 
 def view_of(request: Request) -> FleetView:
-    view: FleetView = request.app.state.fleet_view
+    view: FleetView = proxy_state(request.app).fleet_view
     return view
 
 
@@ -66,7 +67,7 @@ async def ask_members(request: Request, method: str, path: str, timeout_s: float
                       content: bytes | None = None) -> list[UpstreamAnswer]:
     """Every server's answer to `method path`, in their order. The default bound is a probe's
     (`upstream_connect_timeout_s`): reads are quick on a server that is there."""
-    state = request.app.state
+    state = proxy_state(request.app)
     headers = upstream_headers(request)
     if content is None:
         headers.pop("content-type")
