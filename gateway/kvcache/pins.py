@@ -31,7 +31,9 @@ memory too, at most `_MAX_RECORDS` holds are kept (past an eighth more, the same
 a flood of distinct retained groups never grows this process, nor drops another tenant's records.
 A retention this process knows that the file held and no longer holds was removed by another
 process (a delete, or the record bound there): it goes here too, unless a request here renewed it
-since, so a delete made through one server is never written back by another.
+since this process last saw the file hold it (a stat every `_REFRESH_EVERY_S`), so a delete made
+through one server is not written back by another (a renewal in the second before it may be: the
+file keeps no tombstones).
 """
 
 from __future__ import annotations
@@ -69,7 +71,6 @@ _MAX_RECORDS = MAX_RECORDS
 _REFRESH_EVERY_S = 1.0  # how stale another process's pin change may look to eviction here
 _RESHARE_EVERY_S = 1.0  # retentions that ended give their share to the rest within this
 DEFAULT_RETAINED_BUDGET_BYTES = 512 * 1024**2
-_FILED_PRECISION_S = 0.001  # the file rounds deadlines to this
 _RETAIN_WRITE_SLACK_S = 3600.0  # a retention deadline is written again once it moved this much
 
 
@@ -112,6 +113,7 @@ class Pins:
         self._version = 0  # bumped on every change to `_holds`: the protected set is computed again
         self._protection: tuple[int, float, set[str]] | None = None  # (version, when, protected digests)
         self._saved_until: dict[str, float] = {}  # retention deadlines as the file held them, last read or written
+        self._seen_filed: dict[str, float] = {}  # the retentions the file held then, with our deadline for each
         self._seen: FileId | None = None
         self._lock = threading.Lock()  # guards the maps; held briefly, never over file work
         self._io_lock = threading.Lock()  # one read-merge-write of the file at a time
@@ -295,14 +297,14 @@ class Pins:
     def _take_in(self, path: Path) -> None:
         """Read the file when it changed since we last did (call with `_io_lock` held)."""
         seen = file_id(path)
-        if seen == self._seen:
+        if seen == self._seen:  # it still holds what it held: our renewals so far came before any removal
+            with self._lock:
+                self._seen_filed = {d: h.retain_until for d in self._seen_filed if (h := self._holds.get(d))}
             return
         on_file = read_holds(path)
         if on_file is not None:
             with self._lock:
-                filed = _deadlines(on_file)
-                self._replace(self._merged(on_file))
-                self._saved_until = filed
+                self._adopt(on_file)
         self._seen = seen
 
     def _watch(self) -> None:
@@ -360,10 +362,16 @@ class Pins:
                     self._version += 1
                 return
             with self._lock:
-                filed = _deadlines(holds)
-                self._replace(self._merged(holds))  # a retention set meanwhile is kept
-                self._saved_until = filed
+                self._adopt(holds)  # a retention set meanwhile is kept
             self._seen = file_id(self.path)
+
+    def _adopt(self, on_file: dict[str, Hold]) -> None:
+        """Take the file's records as ours, merged (call with `_lock` held); remember which
+        retentions it held, with our deadline for each then (`_removed_elsewhere`)."""
+        filed = _deadlines(on_file)
+        self._replace(self._merged(on_file))
+        self._saved_until = filed
+        self._seen_filed = {d: self._holds[d].retain_until for d in filed if d in self._holds}
 
     def _replace(self, holds: dict[str, Hold]) -> None:
         """Call with `_lock` held."""
@@ -386,9 +394,9 @@ class Pins:
 
     def _removed_elsewhere(self, digest: str, hold: Hold, on_file: dict[str, Hold]) -> bool:
         """Whether the file held our retention of `digest` and another process removed it, with no
-        request here renewing it since (its deadline has not moved past the file's)."""
-        was = self._saved_until.get(digest)
-        return digest not in on_file and was is not None and hold.retain_until <= was + _FILED_PRECISION_S
+        request here renewing it since (its deadline has not moved since we saw the file hold it)."""
+        was = self._seen_filed.get(digest)
+        return digest not in on_file and was is not None and hold.retain_until <= was
 
     def _known(self) -> dict[str, Hold]:
         """A copy of this process's holds: what stands in for a file that cannot be read."""

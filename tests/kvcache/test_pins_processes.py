@@ -181,6 +181,8 @@ def test_a_retention_deleted_through_one_server_is_never_written_back_by_another
         assert one.flush(30)
         one.pin(y.key.digest, budget_bytes=1 << 30)  # a change that writes the file: X's retention with it
         assert two.find(x.key.digest) is not None and two.find(x.key.digest).retain_until > 0  # type: ignore[union-attr]
+        one.retain(x.key.digest, 3600.0, tenant="key-A")  # renewed before the delete: not written (lazily)
+        one.pins.refresh()  # server 1's watcher, within a second: the file still holds X
         assert two.remove(x.key.digest) is True
         one.unpin(y.key.digest)  # server 1 changes the file again, after the delete
         assert x.key.digest not in json.loads((tmp_path / PINS_FILE).read_text())["entries"]
