@@ -155,7 +155,7 @@ def test_the_bench_never_imports_its_lab_but_to_run_it() -> None:
 
 
 def test_serving_owns_its_grammars_and_takes_the_engines_job_types_from_its_package() -> None:
-    """The grammars' text and compiled cache are serving's (gateway/serving/grammar_text.py,
+    """The grammars' text and compiled cache are serving's (gateway/serving/output_grammar.py,
     grammars.py); what a job carries (SamplingParams, Constraint, TokenLogprob, Tokenizer) serving
     takes from `gateway.engine`, never from the engine's sampling, constraints or prefix_index modules."""
     internal = {"gateway.engine.sampling", "gateway.engine.constraints", "gateway.engine.prefix_index",

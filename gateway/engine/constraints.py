@@ -2,7 +2,7 @@
 computed on the CPU while the device runs the step and applied on the device by
 sampling.device_picks, the tokens the grammar forces next, and following the tokens the sequence
 takes. The grammars themselves, their Lark text and the compiled ones kept per tenant, are
-serving's (gateway/serving/grammar_text.py, grammars.py): a `Job` arrives with its `Constraint`
+serving's (gateway/serving/output_grammar.py, grammars.py): a `Job` arrives with its `Constraint`
 built, having consumed the forced opening.
 """
 
