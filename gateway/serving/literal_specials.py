@@ -85,7 +85,8 @@ class LiteralSpecials:
         self._unmask = str.maketrans({mask: first for first, mask in self._mask_of.items()})
         # schemas are searched as their JSON text, unless some special token has a character JSON escapes
         self._json_safe = all(orjson.dumps(token).decode()[1:-1] == token for token in self.specials)
-        self._special_ids = frozenset(self.specials.values())
+        # control tokens no client text may become; not `<unk>`, which stands for characters the vocabulary lacks
+        self._special_ids = frozenset(self.specials.values()) - {getattr(tokenizer, "unk_token_id", None)}
         self._normalized = _normalizes(tokenizer, self.specials)
 
     def slipped(self, ids: list[int], text: str) -> bool:
