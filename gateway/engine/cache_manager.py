@@ -10,7 +10,9 @@ is cached already (its future resolved then; else when `store_group` stores it).
 place it?" (`can_place`: the blocks free plus those eviction could free; no, and the job waits
 without evicting anything), then "place it" (`allocate`: a run of consecutive blocks, evicting
 conversation records, then cached groups least recently used first; None when no run is found,
-and the job waits). tests/engine/test_cache_manager.py pins the order. Engine thread only.
+and the job waits); `held_for_blocks` says whether the last HOLD was for blocks. A sequence
+preempted by recompute gets a run of the same size again through `place_own`, the same two steps.
+tests/engine/test_cache_manager.py pins the order. Engine thread only.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class KVCacheManager:
         self.conversations = Conversations(pool.block_tokens)
         self.groups = GroupIndex(pool.block_tokens, chunk_tokens, store.ram.holds)
         self.compiling: dict[str, Sequence] = {}  # group digest -> the sequence computing it
+        self.held_for_blocks = False  # the last `admit` answered HOLD because its blocks do not fit now
         self.warming: dict[str, WarmGroup] = {}  # group digest -> the warm-up computing it
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -103,6 +106,7 @@ class KVCacheManager:
         """Where `job`'s KV comes from, with its blocks reserved; `recompute`: its cached group was
         bad, compute it privately."""
         admitted = time.perf_counter()
+        self.held_for_blocks = False
         prompt = job.prompt_ids
         cacheable = self.min_prefix_tokens <= job.prefix_len < len(prompt)
         group_len = job.prefix_len if cacheable else 0
@@ -140,6 +144,7 @@ class KVCacheManager:
         if not self.can_place(own_tokens, group_tokens):  # "can I place it?", before evicting anything
             if entry is not None:
                 self.let_go(entry)
+            self.held_for_blocks = True
             return HOLD
         # Hold the blocks to copy from while allocating: making room may evict their holders.
         held = [r for r in (record.run if record else None, source.blocks if source else None) if r is not None]
@@ -150,6 +155,7 @@ class KVCacheManager:
             if runs is None:
                 if entry is not None:
                     self.let_go(entry)
+                self.held_for_blocks = True
                 return HOLD
             own_run, group_run = runs
             if record is not None and rest_from > group_len:
@@ -185,6 +191,16 @@ class KVCacheManager:
         ends = chunk_ends(key.token_ids, len(key.token_ids), self.chunk_tokens, self.turn_opening)
         return Placement(len(key.token_ids), "miss", runs[0], ends, key=key, group_run=runs[1],
                          rest_from=len(key.token_ids))
+
+    def place_own(self, seq: Sequence) -> bool:
+        """Give a sequence preempted by recompute its own run again, the size it had (the rest of
+        its prompt and `max_tokens`); False when it does not fit now (nothing is evicted then)."""
+        tokens = len(seq.prompt) - seq.group_len + seq.job.params.max_tokens
+        run = self.allocate(tokens) if self.can_place(tokens) else None
+        if run is None:
+            return False
+        seq.place(run)
+        return True
 
     def _lookup(self, key: PrefixKey, salt: str) -> tuple[CacheEntry, str] | Hold | None:
         """The stored group, with a reference and a lock held for the sequence; None on a miss."""
@@ -285,7 +301,8 @@ class KVCacheManager:
         compute them in a prefill chunk, with other bits (engine/prefix_index.py)."""
         job = seq.job
         own_tokens = len(seq.prompt) - seq.group_len
-        if not self.conversation_reuse or not job.use_cache or seq.phase is not Phase.DECODE or own_tokens <= 0:
+        if not self.conversation_reuse or not job.use_cache or seq.phase is not Phase.DECODE or own_tokens <= 0 \
+                or seq.own_run is None:
             return
         record = Record(tuple(seq.prompt), seq.group_len, frozenset(seq.ends), seq.own_run.head(own_tokens),
                         seq.chain)

@@ -301,7 +301,7 @@ class Engine:
         prefill = [seq for seq, _, _ in plan.prefill]
         decode = sorted(plan.decode, key=lambda seq: len(seq.pending) > 1)  # a forced chunk after the rows of one token
         seqs = [*decode, *prefill]
-        tokens = [list(seq.pending) for seq in decode] + [seq.prompt[a:b] for seq, a, b in plan.prefill]
+        tokens = [list(seq.pending) for seq in decode] + [seq.prefill_ids[a:b] for seq, a, b in plan.prefill]
         try:
             rows = [seq.row(len(t)) for seq, t in zip(seqs, tokens, strict=True)]
             forward = DeviceSpan(self.device)

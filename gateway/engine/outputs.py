@@ -104,11 +104,13 @@ class OutputProcessor:
 
     def chunk_done(self, seq: Sequence, end: int, forward: DeviceSpan) -> None:
         """`seq`'s prompt is computed up to `end` by the step's `forward` (a prompt's last chunk is
-        sampled: `prompt_done`)."""
+        sampled: `prompt_done`; a recompute's last one is not: its next token is taken already)."""
         try:
             if seq.phase is Phase.PROMPT:
                 seq.forward_spans.append(forward)
             seq.computed = end
+            if seq.phase is Phase.RECOMPUTE and end == len(seq.recompute_ids):  # its KV is back: decode on
+                seq.phase, seq.recompute_ids = Phase.DECODE, []
             if seq.phase is Phase.GROUP and end == seq.group_len:
                 forward.wait()  # on CUDA: the group is computed, not launched (once a miss, for the log's time)
                 self._group_done(seq)

@@ -22,12 +22,23 @@ and it is its tenant's turn (a tenant's paused sequences before its waiting jobs
 So a key with many long generations delays another key's request by a step, never by a
 generation, and no work is lost or done twice. Chosen over a cap on each tenant's running
 sequences at admission: a cap cannot know that a second tenant will come, so it either leaves
-slots idle while one tenant is alone or still makes a newcomer wait for a generation to end. What
-pausing does not give: a paused sequence keeps its blocks, so a newcomer that does not fit the
-pool waits (HOLD) as before; only decoding sequences are paused (a prompt may be compiling a group
-others wait for); and with fewer slots than tenants (`max_batch` 1) a tenant keeps its slot until
-its row ends. Pauses are counted (`num_paused`: `vllm:num_preemptions_total`);
-tests/engine/test_fair_slots.py pins the order.
+slots idle while one tenant is alone or still makes a newcomer wait for a generation to end.
+Only decoding sequences are paused (a prompt may be compiling a group others wait for); with
+fewer slots than tenants (`max_batch` 1) a tenant keeps its slot until its row ends.
+
+Fair blocks: a running sequence holds blocks for all of its `max_tokens` and a paused one keeps
+them, so one key's long generations could hold the KV pool and another key's small request
+would wait out a whole generation (HOLD). When a job cannot be placed for lack of blocks (the
+cache manager's `held_for_blocks`), its tenant holds fewer own blocks than its share of the
+pool (`num_blocks // tenants`), and another tenant holds more than its share, the youngest
+decoding sequence (running or paused) of the tenant furthest above its share is preempted by
+recompute, as vLLM does: its own run goes back to the pool (never the group's blocks, which
+the cache and other sequences hold too) and it waits with the paused ones; placed again (the
+same size; not while a job of a tenant below its share waits for blocks in the same pass), it
+computes its prompt and the tokens it had fed in prompt chunks and decodes on from there,
+sampler, grammar and text as they were (sequence.py `preempt`). A sequence is preempted again
+only after it took a token, so each moves on. Pauses and preemptions are counted (`num_paused`:
+`vllm:num_preemptions_total`); tests/engine/test_fair_slots.py pins the order.
 
 The step (`StepPlanner`: what one step computes out of the running batch; it only chooses from
 the batch the scheduler owns). Every decoding sequence advances by one token, all in one batched
@@ -112,9 +123,11 @@ class Scheduler:
 
     def admit(self) -> list[tuple[Job, Exception]]:
         """Admit waiting jobs and resume paused sequences, fairest first, while fewer than
-        `max_batch` run, or by pausing a sequence of a tenant above its share (module doc). The
+        `max_batch` run, or by pausing a sequence of a tenant above its share of the batch, or by
+        preempting one above its share of the pool for blocks (module doc). The
         jobs whose placement raised, with why: they are no longer waiting."""
         refused = self._admit_warming()
+        short: set[str] = set()  # tenants below their pool share whose job waits for blocks in this pass
         for item in self.admission_order():
             victim = None
             if len(self.running) >= self.max_batch:
@@ -122,11 +135,11 @@ class Scheduler:
                 if victim is None:
                     continue
             if not isinstance(item, Job):  # a paused sequence
-                self.paused.remove(item)
-                self.running.append(item)
-            elif not self._admit_job(item, refused):
+                if not self._resume(item, short):
+                    continue
+            elif not self._admit_job(item, refused, short):
                 continue
-            if victim is not None:
+            if victim is not None and victim in self.running:  # (not preempted for blocks meanwhile)
                 self._pause(victim)
         return refused
 
@@ -146,7 +159,8 @@ class Scheduler:
         tenants = {_tenant(item) for item in self._queued()}
         if tenants and len(self.running) < self.max_batch:
             return True
-        return any(self._victim(tenant) is not None for tenant in tenants)
+        return any(self._victim(tenant) is not None for tenant in tenants) or \
+            any(self._pool_victim(tenant) is not None for tenant in {job.tenant for job in self.waiting})
 
     # ---- leaving the batch -------------------------------------------------------------------
 
@@ -197,17 +211,34 @@ class Scheduler:
             self.cache.start_compiling(seq)
         return seq
 
-    def _admit_job(self, job: Job, refused: list[tuple[Job, Exception]]) -> bool:
-        """Whether `job` took a slot (or was refused: it no longer waits)."""
-        try:
-            seq = self._place(job)
-        except Exception as exc:
-            self.waiting.remove(job)
-            refused.append((job, exc))
-            return False
-        if seq is HOLD:
-            return False
+    def _admit_job(self, job: Job, refused: list[tuple[Job, Exception]], short: set[str]) -> bool:
+        """Whether `job` took a slot (or was refused: it no longer waits); short of blocks, by
+        preempting sequences of a tenant above its share of the pool (module doc)."""
+        while True:
+            try:
+                seq = self._place(job)
+            except Exception as exc:
+                self.waiting.remove(job)
+                refused.append((job, exc))
+                return False
+            if seq is not HOLD:
+                break
+            victim = self._pool_victim(job.tenant) if self.cache.held_for_blocks else None
+            if victim is None:
+                return False
+            short.add(job.tenant)
+            self._preempt(victim)
         self.waiting.remove(job)
+        self.running.append(seq)
+        return True
+
+    def _resume(self, seq: Sequence, short: set[str]) -> bool:
+        """Whether the paused `seq` is back in the batch: at once with its blocks; preempted by
+        recompute, once its own run is placed again, but not while another tenant's job waits for
+        the blocks its preemption gave back."""
+        if seq.own_run is None and (short - {seq.job.tenant} or not self.cache.place_own(seq)):
+            return False
+        self.paused.remove(seq)
         self.running.append(seq)
         return True
 
@@ -254,6 +285,33 @@ class Scheduler:
             if decoding:
                 return max(decoding, key=lambda seq: seq.job.submitted)
         return None
+
+    def _pool_victim(self, tenant: str) -> Sequence | None:
+        """The sequence to preempt by recompute so that `tenant`'s job gets blocks: the youngest
+        decoding one (running or paused) of the tenant furthest above its share of the pool that
+        has one; None when `tenant` holds its share already, or no tenant above it has one."""
+        held: Counter[str] = Counter()
+        for seq in (*self.running, *self.paused):
+            held[seq.job.tenant] += seq.own_blocks
+        if not +held:
+            return None
+        tenants = {seq.job.tenant for seq in self.running} | {_tenant(item) for item in self._queued()}
+        share = self.cache.pool.num_blocks // max(1, len(tenants))
+        if held[tenant] >= share:
+            return None
+        for over, count in held.most_common():
+            if count <= share:
+                break
+            able = [seq for seq in (*self.running, *self.paused) if seq.job.tenant == over and seq.recomputable]
+            if able:
+                return max(able, key=lambda seq: seq.job.submitted)
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt `seq` by recompute: its own blocks back to the pool, it waits with the paused."""
+        seq.preempt(self.chunk_tokens)
+        if seq in self.running:
+            self._pause(seq)
 
     def _pause(self, seq: Sequence) -> None:
         self.running.remove(seq)

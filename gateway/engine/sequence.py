@@ -7,6 +7,13 @@ own run after it, reserved at admission for the rest of the prompt plus `max_tok
 sequence never needs another block. The own run may start with an earlier turn's KV, copied in.
 Its prompt is computed in the chunks `ends` gives (engine/prefix_index.py), from `computed` on.
 
+A decoding sequence may be preempted by recompute (`preempt`: the scheduler gives its blocks to
+another tenant's request, scheduler.py): its own run goes back to the pool, and when it is placed
+again (the same size) it prefills its prompt and the tokens it had fed the model (`RECOMPUTE`,
+the prompt cut as `ends` cut it the first time) and decodes on from its `pending` tokens. Its
+sampler, grammar, text and logprobs are kept as they were: no token is sampled, followed by the
+grammar or emitted twice. The group segment it reads or wrote stays held.
+
 Its text (`TextStream`, `HeldLogprobs`): what its tokens write, in deltas that are final (whole
 characters, never the start of a stop sequence that may still match), and the logprobs of each
 token held until its text is sent.
@@ -231,6 +238,7 @@ def _stream_backend(decoder: Decoder) -> Any:
 class Phase(enum.Enum):
     GROUP = "group"  # computing the tool group's KV into `group_run`
     PROMPT = "prompt"  # prefilling the rest of the prompt into `own_run`
+    RECOMPUTE = "recompute"  # prefilling again its prompt and the tokens it had fed (after `preempt`)
     DECODE = "decode"
 
 
@@ -239,7 +247,7 @@ class Sequence:
     job: Job
     group_len: int  # tokens in the group segment (0: none)
     result: CacheResult
-    own_run: BlockRun
+    own_run: BlockRun | None  # None while preempted by recompute
     ends: list[int]  # where the prompt's chunks end (prefix_index.chunk_ends)
     sampler: Sampler
     stream: TextStream
@@ -263,6 +271,9 @@ class Sequence:
     source: Record | None = None  # the conversation record its rest started from
     rest_from: int = 0  # where its own prompt tokens start being computed (after a copied turn)
     logprobs: HeldLogprobs = field(default_factory=HeldLogprobs)  # sampled, their text not sent yet
+    recompute_ids: list[int] = field(default_factory=list)  # RECOMPUTE: the prompt and the tokens fed before
+    recompute_ends: list[int] = field(default_factory=list)  # RECOMPUTE: where its chunks end
+    preempted_at: int = -1  # `generated` when it was last preempted by recompute (-1: never)
     _group_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
@@ -287,8 +298,44 @@ class Sequence:
         return self.job.prompt_ids
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens its prefill computes: the prompt, or (RECOMPUTE) with the tokens fed before."""
+        return self.recompute_ids if self.phase is Phase.RECOMPUTE else self.job.prompt_ids
+
+    @property
     def remaining_prefill(self) -> int:
-        return len(self.prompt) - self.computed if self.phase is not Phase.DECODE else 0
+        return len(self.prefill_ids) - self.computed if self.phase is not Phase.DECODE else 0
+
+    @property
+    def own_blocks(self) -> int:
+        """The blocks a recompute preemption would give back (its own run's)."""
+        return self.own_run.count if self.own_run is not None else 0
+
+    @property
+    def recomputable(self) -> bool:
+        """Whether it may be preempted by recompute: decoding, with its blocks, every token taken
+        in its text, and a token taken since it was last preempted (so it always moves on)."""
+        return self.phase is Phase.DECODE and self.own_run is not None and self.generated > self.preempted_at \
+            and len(self.stream.token_ids) == self.generated
+
+    def preempt(self, chunk_tokens: int) -> None:
+        """Give its own run back (module doc): the tokens fed to the model so far join the prompt
+        to prefill again once it is placed again (`place`); those taken and not fed (`pending`)
+        stay pending. Its sampler, grammar, text and logprobs are untouched."""
+        assert self.recomputable and self.own_run is not None
+        self.own_run.release()
+        self.own_run = None
+        tokens = self.stream.token_ids
+        self.recompute_ids = [*self.job.prompt_ids, *tokens[:len(tokens) - len(self.pending)]]
+        total, prompt_len = len(self.recompute_ids), len(self.job.prompt_ids)
+        self.recompute_ends = [*self.ends, *range(prompt_len + chunk_tokens, total, chunk_tokens)]
+        if total > prompt_len:
+            self.recompute_ends.append(total)
+        self.phase, self.computed, self.preempted_at = Phase.RECOMPUTE, self.group_len, self.generated
+
+    def place(self, run: BlockRun) -> None:
+        """Its own run again, after `preempt`: the recompute starts after the group."""
+        self.own_run = run
 
     def group_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per layer, the group segment's keys and values `[kv_heads, G, dim]`."""
@@ -308,7 +355,8 @@ class Sequence:
 
     def next_chunk(self) -> tuple[int, int]:
         """The next prompt chunk `[start, end)`, as `ends` cuts the prompt whatever the schedule."""
-        return self.computed, next_end(self.ends, self.computed)
+        ends = self.recompute_ends if self.phase is Phase.RECOMPUTE else self.ends
+        return self.computed, next_end(ends, self.computed)
 
     def row(self, new_tokens: int, ahead: int = 0) -> RowKV:
         """Where this sequence's next `new_tokens` go: the prompt's next chunk, or the `pending`
@@ -317,7 +365,8 @@ class Sequence:
         if self.phase is Phase.GROUP:
             assert self.group_run is not None
             return RowKV(None, self.group_run, self.computed, self.computed)
-        position = self.computed if self.phase is Phase.PROMPT else \
+        assert self.own_run is not None, "a sequence preempted by recompute is out of the batch"
+        position = self.computed if self.phase is not Phase.DECODE else \
             len(self.prompt) + self.generated - len(self.pending) + ahead
         return RowKV(self.group_kv(), self.own_run, position - self.group_len, position, self.group_start)
 
@@ -339,7 +388,9 @@ class Sequence:
 
     def release(self) -> None:
         """Give back every block this sequence holds (its own run, the group it read or wrote)."""
-        self.own_run.release()
+        if self.own_run is not None:
+            self.own_run.release()
+            self.own_run = None
         if self.group_run is not None:
             self.group_run.release()
             self.group_run = None

@@ -13,10 +13,12 @@ from typing import cast
 
 from gateway.engine import Finished, Job, Prefilled, TextDelta
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
-from gateway.engine.sampling import SamplingParams
+from gateway.engine.sampling import Sampler, SamplingParams
 from gateway.engine.scheduler import Scheduler
-from gateway.engine.sequence import Phase, Sequence
+from gateway.engine.sequence import Phase, Sequence, TextStream
 from gateway.serving.runtime import Runtime
+from tests.engine.test_batching import TINY_KV_BYTES_PER_TOKEN
+from tests.engine.test_cache_manager import GROUP, compile_and_finish, manager
 from tests.engine.test_tenant_fairness import Trace
 
 
@@ -29,6 +31,8 @@ class Slot:
     phase: Phase = Phase.PROMPT
     remaining_prefill: int = 3
     last_step: int = 0
+    own_run: object = "its blocks"  # never given back: nothing here is short of blocks
+    own_blocks: int = 0
 
     def next_chunk(self) -> tuple[int, int]:
         return 0, 3
@@ -56,6 +60,7 @@ class Placer:
 
     def __init__(self, fits: Callable[[Job], bool]) -> None:
         self.fits = fits
+        self.held_for_blocks = False  # a job that does not fit waits; nobody is preempted for it
 
     def admit(self, job: Job, recompute: bool = False) -> Placement | Hold | None:
         return cast(Placement, object()) if self.fits(job) else HOLD
@@ -215,3 +220,127 @@ def test_b_is_answered_while_a_fills_every_slot_with_long_generations(runtime_fo
         runtime.engine.submit(alone.job(runtime, "x", "tenant-a", max_tokens=60, seed=i))
         alone.wait("x")
         assert alone.tokens("x") == trace.tokens(f"a{i}") and len(trace.tokens(f"a{i}")) == a_job.params.max_tokens
+
+
+# ---- fair blocks: one key cannot hold the KV pool ----------------------------------------------
+
+class Letters:
+    """A decoder for sequences without a tokenizer: token t writes one letter."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+
+def pooled(num_blocks: int) -> tuple[Scheduler, KVCacheManager]:
+    """A scheduler over a real block pool of `num_blocks` blocks of 4 tokens whose tool group (8
+    tokens of 1) is cached; its sequences are real, without a model."""
+    cache = manager(num_blocks)
+    compile_and_finish(cache, Job([1] * GROUP + [100, 101], GROUP, SamplingParams(max_tokens=2)))
+
+    def make(made: Job, placed: Placement) -> Sequence:
+        return Sequence(made, placed.group_len, placed.result, placed.own_run, placed.ends,
+                        Sampler(made.params), TextStream(Letters(), ()), key=placed.key, entry=placed.entry,
+                        computed=placed.rest_from)
+
+    return Scheduler(cache, make, max_batch=8, chunk_tokens=4), cache
+
+
+def pool_job(tenant: str, name: str, at: float, group: bool, max_tokens: int = 10) -> Job:
+    made = Job([1] * GROUP + [100, 101] if group else [100, 101], GROUP if group else 0,
+               SamplingParams(max_tokens=max_tokens), tenant=tenant, group_id=name)
+    made.submitted = at
+    return made
+
+
+def decoded(seq: Sequence, *tokens: int) -> None:
+    """`seq`'s prompt is computed and it took `tokens`, the last one not fed to the model yet."""
+    seq.phase, seq.computed = Phase.DECODE, len(seq.prompt)
+    for token in tokens:
+        seq.stream.push(token)
+        seq.generated += 1
+    seq.pending = [tokens[-1]]
+
+
+def test_a_newcomer_short_of_blocks_takes_them_from_the_tenant_above_its_pool_share() -> None:
+    """Pool of 10 blocks: the cached group in blocks 1-2, A's two hits 3 own blocks each. B's job
+    (3 blocks) does not fit; A holds 6 own blocks, over its share of 5: A's youngest is preempted
+    by recompute, its own blocks (and only those: not the group's) go to B. Placed again once B
+    ends, it recomputes its prompt after the group and the tokens it had fed, and decodes on."""
+    scheduler, cache = pooled(num_blocks=10)
+    scheduler.add(pool_job("a", "a0", 1, group=True))
+    scheduler.add(pool_job("a", "a1", 2, group=True))
+    scheduler.admit()
+    a0, a1 = scheduler.running
+    assert [list(s.own_run.block_ids) for s in (a0, a1) if s.own_run] == [[3, 4, 5], [6, 7, 8]]
+    decoded(a0, 5)
+    decoded(a1, 5, 6, 7)
+    group_refs = cache.pool.refs(1)
+    scheduler.add(pool_job("b", "b0", 3, group=False))
+    scheduler.admit()
+    assert names(scheduler.running) == ["a0", "b0"] and names(scheduler.paused) == ["a1"]
+    b0 = scheduler.running[1]
+    assert b0.own_run is not None and list(b0.own_run.block_ids) == [6, 7, 8]  # a1's, given back
+    assert a1.own_run is None and cache.pool.refs(1) == group_refs  # the group's blocks stay held
+    assert scheduler.num_paused == 1 and a1.phase is Phase.RECOMPUTE and a1.pending == [7]
+    assert a1.recompute_ids == [*a1.prompt, 5, 6] and a1.stream.token_ids == [5, 6, 7]  # taken once
+    scheduler.admit()
+    assert names(scheduler.paused) == ["a1"]  # 2 blocks free: it waits
+    scheduler.retire(b0)
+    scheduler.admit()
+    assert names(scheduler.running) == ["a0", "a1"] and a1.own_run is not None
+    assert list(a1.own_run.block_ids) == [6, 7, 8]
+    assert [a1.next_chunk(), a1.remaining_prefill] == [(GROUP, GROUP + 2), 4]  # the prompt as cut before
+    a1.computed = GROUP + 2
+    assert a1.next_chunk() == (GROUP + 2, GROUP + 4)  # then the tokens it had fed
+    a1.computed, a1.phase = GROUP + 4, Phase.DECODE
+    assert a1.row(1).position == GROUP + 4 and a1.row(1).own_len == 4  # its pending token goes next
+
+
+def test_a_tenant_within_its_pool_share_is_not_preempted_and_a_preempted_one_moves_on() -> None:
+    """A holds one sequence of 3 own blocks (under its share of 4 of 8 blocks): B's job that does
+    not fit waits. A sequence preempted and placed again is not preempted again before it took a
+    token."""
+    scheduler, cache = pooled(num_blocks=8)
+    scheduler.add(pool_job("a", "a0", 1, group=True, max_tokens=10))
+    scheduler.admit()
+    decoded(scheduler.running[0], 5)
+    scheduler.add(pool_job("b", "b0", 2, group=False, max_tokens=18))  # 5 blocks: 3 are free
+    scheduler.admit()
+    assert names(scheduler.running) == ["a0"] and held_jobs(scheduler) == ["b0"] and scheduler.num_paused == 0
+    a0 = scheduler.running[0]
+    a0.preempt(4)  # as if for someone else
+    assert not a0.recomputable and a0.own_run is None
+    assert cache.place_own(a0) and a0.own_run is not None
+    a0.phase = Phase.DECODE
+    assert not a0.recomputable  # no token taken since
+    decoded(a0, 6)
+    assert a0.recomputable
+
+
+def held_jobs(scheduler: Scheduler) -> list[str]:
+    return [job.group_id for job in scheduler.waiting]
+
+
+def test_b_is_answered_while_a_holds_the_pool_with_long_generations(runtime_for: Callable[..., Runtime]) -> None:
+    """A pool of 32 blocks of 16 tokens: key A's two long generations hold 28 of them; key B's
+    request (6 blocks) is answered while A's are still decoding, not after one of them ends; A's
+    answers, one preempted by recompute and resumed, are what each gives alone."""
+    runtime = runtime_for("llama", ram_budget_bytes=TINY_KV_BYTES_PER_TOKEN * 512)
+    assert runtime.engine.pool.num_blocks == 32
+    trace = Trace()
+    a_jobs = [trace.job(runtime, f"a{i}", "tenant-a", max_tokens=200, seed=i) for i in range(2)]
+    for a_job in a_jobs:
+        runtime.engine.submit(a_job)
+    trace.wait_until(lambda: trace.count("a", TextDelta) >= 8)  # both are decoding
+    runtime.engine.submit(trace.job(runtime, "b", "tenant-b", max_tokens=60, seed=9))
+    trace.wait("b")
+    b_done = trace.index("b", Finished)
+    assert not [who for who, e in trace.events[:b_done] if isinstance(e, Finished) and who != "b"]
+    assert runtime.engine.stats().preemptions_total >= 1
+    trace.wait("a0", "a1")
+    for i, a_job in enumerate(a_jobs):
+        alone = Trace()
+        runtime.engine.submit(alone.job(runtime, "x", "tenant-a", max_tokens=200, seed=i))
+        alone.wait("x")
+        assert alone.tokens("x") == trace.tokens(f"a{i}") and len(trace.tokens(f"a{i}")) == a_job.params.max_tokens
+        assert trace.count(f"a{i}", Prefilled) == 1  # resumed, not started again
