@@ -3,7 +3,10 @@ share of the batch. Key A's long generations fill every slot; key B's request ta
 A's youngest decoding sequence, which is paused (its KV and text kept) and resumes where it
 stopped. Model-free tests pin the admission order, in the manner of vLLM's tests/v1/core; one
 engine test on a tiny model shows what a user notices: B's 1-token answer comes while A's
-generations are still running, and A's tokens are what they are alone."""
+generations are still running, and A's tokens are what they are alone. Fair blocks: A's long
+generations hold the KV pool; B's job, short of blocks, takes the own blocks of A's youngest,
+preempted by recompute (model-free: which blocks go and come back; on the tiny model: B answered
+while A's decode, A's tokens, text and grammar as alone)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ from typing import cast
 
 from gateway.engine import Finished, Job, Prefilled, TextDelta
 from gateway.engine.cache_manager import HOLD, Hold, KVCacheManager, Placement
+from gateway.engine.events import EngineEvent
 from gateway.engine.sampling import Sampler, SamplingParams
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.sequence import Phase, Sequence, TextStream
+from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime
 from tests.engine.test_batching import TINY_KV_BYTES_PER_TOKEN
 from tests.engine.test_cache_manager import GROUP, compile_and_finish, manager
@@ -321,26 +326,52 @@ def held_jobs(scheduler: Scheduler) -> list[str]:
     return [job.group_id for job in scheduler.waiting]
 
 
+NOTE = {"type": "function", "function": {"name": "note", "description": "A note.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}}}
+
+
+class Texts(Trace):
+    """A trace that also submits prepared requests' jobs and reads their texts."""
+
+    def emitter(self, label: str) -> Callable[[EngineEvent], None]:
+        return self._emitter(label)
+
+    def text(self, label: str) -> str:
+        return "".join(e.text for who, e in self.events if who == label and isinstance(e, TextDelta))
+
+
+def note_call(runtime: Runtime, trace: Texts, label: str) -> Job:
+    """Key A's forced tool call, its long argument held to its schema by a grammar (a group of 11
+    blocks, 15 own)."""
+    request = {"messages": [{"role": "user", "content": "hi"}], "tools": [NOTE], "tool_choice": "required",
+               "temperature": 0, "max_tokens": 200}
+    made = runtime.service.prepare(ChatCompletionRequest.model_validate(request), tenant="tenant-a").job
+    made.emit = trace.emitter(label)
+    return made
+
+
 def test_b_is_answered_while_a_holds_the_pool_with_long_generations(runtime_for: Callable[..., Runtime]) -> None:
-    """A pool of 32 blocks of 16 tokens: key A's two long generations hold 28 of them; key B's
-    request (6 blocks) is answered while A's are still decoding, not after one of them ends; A's
-    answers, one preempted by recompute and resumed, are what each gives alone."""
+    """A pool of 32 blocks of 16 tokens: key A's generation (6 blocks) and its tool call under a
+    grammar (26) hold all of it; key B's request (4 blocks) is answered while A's are still
+    decoding, not after one of them ends. A's youngest, preempted by recompute and resumed, writes
+    what it writes alone, its grammar followed once per token (a valid call), its text sent once."""
     runtime = runtime_for("llama", ram_budget_bytes=TINY_KV_BYTES_PER_TOKEN * 512)
     assert runtime.engine.pool.num_blocks == 32
-    trace = Trace()
-    a_jobs = [trace.job(runtime, f"a{i}", "tenant-a", max_tokens=200, seed=i) for i in range(2)]
-    for a_job in a_jobs:
-        runtime.engine.submit(a_job)
-    trace.wait_until(lambda: trace.count("a", TextDelta) >= 8)  # both are decoding
-    runtime.engine.submit(trace.job(runtime, "b", "tenant-b", max_tokens=60, seed=9))
+    trace = Texts()
+    runtime.engine.submit(trace.job(runtime, "a0", "tenant-a", max_tokens=80))
+    runtime.engine.submit(note_call(runtime, trace, "a1"))
+    trace.wait_until(lambda: trace.count("a1", TextDelta) >= 2)  # both are decoding
+    runtime.engine.submit(trace.job(runtime, "b", "tenant-b", max_tokens=30, seed=9))
     trace.wait("b")
     b_done = trace.index("b", Finished)
     assert not [who for who, e in trace.events[:b_done] if isinstance(e, Finished) and who != "b"]
     assert runtime.engine.stats().preemptions_total >= 1
     trace.wait("a0", "a1")
-    for i, a_job in enumerate(a_jobs):
-        alone = Trace()
-        runtime.engine.submit(alone.job(runtime, "x", "tenant-a", max_tokens=200, seed=i))
-        alone.wait("x")
-        assert alone.tokens("x") == trace.tokens(f"a{i}") and len(trace.tokens(f"a{i}")) == a_job.params.max_tokens
-        assert trace.count(f"a{i}", Prefilled) == 1  # resumed, not started again
+    alone = Texts()
+    runtime.engine.submit(alone.job(runtime, "a0", "tenant-a", max_tokens=80))
+    runtime.engine.submit(note_call(runtime, alone, "a1"))
+    alone.wait("a0", "a1")
+    for label in ("a0", "a1"):
+        assert alone.tokens(label) == trace.tokens(label) and trace.count(label, Prefilled) == 1
+        assert alone.text(label) == trace.text(label)
+    assert trace.text("a1").startswith('{"text": "') and len(trace.text("a1")) > 400
