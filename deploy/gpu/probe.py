@@ -133,7 +133,7 @@ def rows_for(runner: ModelRunner, count: int, context: int, extra: int = 1) -> t
 
 
 def on_engine(runtime: Runtime, fn: Callable[[], T]) -> T:
-    """`fn` on the engine's thread, which alone changes the pool's blocks (kvcache/owner.py); the
+    """`fn` on the engine's thread, which alone changes the pool's blocks (kvcache/block_pool.py's `Owner`); the
     forwards themselves run on this thread while the engine waits for work."""
     return cast(T, runtime.engine.call(fn).result())
 

@@ -3,7 +3,7 @@
 The metrics collector and the dashboard read the engine and its prefix store through a `Snapshot`:
 immutable, taken on the engine's thread between steps (`take_snapshot`, through `engine.call`), so
 nothing outside the engine reads the RAM tier or the block pool while the engine changes them
-(kvcache/owner.py); the runtime keeps the last one for a reader that cannot wait for the engine
+(kvcache/block_pool.py's `Owner`); the runtime keeps the last one for a reader that cannot wait for the engine
 (its queue is full: serving/runtime.py `Runtime.snapshot`). Steps are counted (`StepCounts`) and
 go through `StepLog`, drained by the collector (its lock is the boundary between the engine's
 thread and the collector's)."""

@@ -3,7 +3,7 @@ first, at most one write per digest in flight, so the request path never waits f
 
 A pending write holds a reference to its entry's pool blocks (taken on the engine's thread when
 it is scheduled) and hands it back when done or dropped (`CacheEntry.release_later`): the block
-counts change on the engine's thread only (owner.py). The condition guards the queue between the
+counts change on the engine's thread only (block_pool.py's `Owner`). The condition guards the queue between the
 engine's thread, which schedules and cancels, and the writer's; `wait_out` and `wait_idle` are for
 the threads that remove files (a route's worker thread), never the engine's in the common path."""
 

@@ -6,7 +6,7 @@ entries only; a retained entry (within its tenant's share of the retained budget
 retention protects nothing) goes only to make room for a pinned one, or when the pool asks for
 more (`evict_oldest(up_to=...)`); a pinned one only when the pool asks for it explicitly.
 
-Owned by the engine's thread (`owner.py`): every change, a match's LRU move included, is checked
+Owned by the engine's thread (`block_pool.py`'s `Owner`): every change, a match's LRU move included, is checked
 to come from it, so the tier needs no lock. Other threads see it through the engine's stats
 snapshot (engine/stats.py) or ask the engine (`engine.call`)."""
 
@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.kvcache.block_pool import Owner
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.owner import Owner
 from gateway.kvcache.pins import Level
 
 

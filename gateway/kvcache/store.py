@@ -8,7 +8,7 @@ deadline (a request's `prompt_cache_retention`); `pins` keeps both, on disk besi
 when there is a disk tier, so they survive a restart.
 
 Who may call what: the engine's thread owns the in-memory state (the RAM tier's entries, LRU order
-and in-use counts, and through them the KV pool's block references: `owner.py` checks it), so
+and in-use counts, and through them the KV pool's block references: `block_pool.py`'s `Owner` checks it), so
 the methods under "engine thread" run there (or where no engine runs: start-up, the CLI, tests).
 The disk tier and the pins are shared anyway, with the disk writer thread, the pins watcher and
 the other processes on the cache dir, and keep their own locks; the methods under "any thread"
@@ -38,12 +38,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.kvcache.block_pool import Owner
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.disk_writer import BackgroundWriter
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.keys import PrefixKey
-from gateway.kvcache.owner import Owner
 from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 from gateway.kvcache.ram_tier import RamTier
 

@@ -128,7 +128,7 @@ def test_every_layout_row_the_kernels_read_starts_16_byte_aligned(runtime_for):
     engine = runtime_for("llama", attention_backend="triton", max_batch=5).engine
     runner = engine.runner
 
-    def layouts() -> list[KVLayout]:  # on the engine's thread: the pool is its own (kvcache/owner.py)
+    def layouts() -> list[KVLayout]:  # on the engine's thread: the pool is its own (kvcache/block_pool.py's `Owner`)
         graphs = StepGraphs(runner, 5, (16, 32))
         tables = [graphs._layout(5, graphs._tiles_for(32))]
         runs = [runner.pool.allocate(80) for _ in range(6)]

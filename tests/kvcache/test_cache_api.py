@@ -153,7 +153,7 @@ def test_clear_empties_every_tier(api: httpx.Client) -> None:
 
 def test_routes_change_the_store_on_the_engine_thread_only(api: httpx.Client, live: LiveServer,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine owns the RAM tier and the pool's block counts (kvcache/owner.py): a delete, a
+    """The engine owns the RAM tier and the pool's block counts (kvcache/block_pool.py's `Owner`): a delete, a
     clear and a listing reach them through `engine.call`, never from a route's worker thread."""
     ram = live.app.state.gateway.model.runtime.store.ram
     threads: set[str] = set()

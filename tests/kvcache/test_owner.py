@@ -1,4 +1,4 @@
-"""One owner for the prefix store (kvcache/owner.py): while the engine's thread runs, the RAM tier
+"""One owner for the prefix store (kvcache/block_pool.py's `Owner`): while the engine's thread runs, the RAM tier
 and the KV pool's block counts change on it alone; a change from any other thread raises at once,
 and the disk writer's blocks are handed back for the owner to release."""
 
@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.kvcache.block_pool import BlockPool, PoolShape
-from gateway.kvcache.owner import WrongThread
+from gateway.kvcache.block_pool import BlockPool, PoolShape, WrongThread
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import make_entry
