@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from adapters.toolcalls.base import (
+from adapters.toolcalls.incremental import (
     ContentDelta,
     StreamDelta,
     ToolCallArgsDelta,

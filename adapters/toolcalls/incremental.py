@@ -1,28 +1,80 @@
-"""Streams tool calls as they are generated, for output that follows a family's CallSyntax (a
-constrained turn always does: gateway/serving/grammars.py).
+"""Tool calls streamed out of model output as it is generated: what a streamer gives out
+(content deltas, a call's start with its `index` and name, its arguments in fragments), the
+contract every streamer keeps (`ToolCallStreamer`), and `SyntaxStreamer`, which writes them for
+output that follows a family's CallSyntax (a constrained turn always does:
+gateway/serving/grammars.py).
 
-A call's start (`index`, name) goes out as soon as its name's closing quote arrives, then its
+A call's start goes out as soon as its name's closing quote arrives, then its
 arguments in fragments as they are written, the model's JSON text verbatim, so the fragments
 concatenate to arguments that parse to the object the non-streamed parser reports. Content is
 the text before the call section, stripped as the parsers strip it; no call markup ever reaches
 it. Output that leaves the syntax (it cannot when constrained; a call cut off by `max_tokens`
 stops early) marks `parse_failed` and streams nothing more.
+
+The whole-text parsers that once sat beside it were used by tests alone; they are the tests'
+oracle now (tests/support/toolcalls/: a stream replayed token by token must spell what the
+whole text parses to).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TypeAlias
 
 from adapters.base import CallSyntax
-from adapters.toolcalls.base import (
-    ContentDelta,
-    StreamDelta,
-    ToolCallArgsDelta,
-    ToolCallStart,
-    ToolCallStreamer,
-    marker_prefix_len,
-)
+
+
+@dataclass(frozen=True, slots=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArgsDelta:
+    index: int
+    fragment: str
+
+
+StreamDelta: TypeAlias = ContentDelta | ToolCallStart | ToolCallArgsDelta
+
+
+class ToolCallStreamer(ABC):
+    """Incremental parser: text deltas in, OpenAI-shaped deltas out."""
+
+    @abstractmethod
+    def feed(self, text_delta: str) -> list[StreamDelta]:
+        """Consume the next piece of generated text."""
+
+    @abstractmethod
+    def finish(self) -> list[StreamDelta]:
+        """Flush everything held back; call once at the end of generation."""
+
+    @property
+    @abstractmethod
+    def saw_tool_call(self) -> bool:
+        """True once a ToolCallStart has been emitted."""
+
+    @property
+    @abstractmethod
+    def parse_failed(self) -> bool:
+        """True (after finish) when the output looked like a call but could not be parsed."""
+
+
+def marker_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
 
 
 class _State(enum.Enum):

@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.toolcalls import base as stream
-from adapters.toolcalls.base import StreamDelta, ToolCallStreamer
+from adapters.toolcalls import incremental as stream
+from adapters.toolcalls.incremental import StreamDelta, ToolCallStreamer
 
 
 @dataclass(frozen=True, slots=True)
