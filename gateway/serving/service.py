@@ -43,7 +43,7 @@ from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.generation import GenerationRequest, Sampling
-from gateway.serving.answers import Accounting, StreamedAnswer, content_and_calls
+from gateway.serving.answers import Accounting, StreamedAnswer, TokenTexts, content_and_calls
 from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,
@@ -54,7 +54,6 @@ from gateway.serving.checks import (
 from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
 from gateway.serving.jobs import Outcome, Prepared, usage_of
 from gateway.serving.literal_specials import LiteralSpecials, cut, written_by
-from gateway.serving.logprobs import TokenTexts
 from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
