@@ -35,8 +35,7 @@ from gateway.api.responses import routes as responses_api
 from gateway.api.responses.store import ResponseStore
 from gateway.api.state import GatewayState, ModelSlot, gateway_state
 from gateway.api.threads import ThreadStore
-from gateway.edge.admission import Preparer, TenantQuota
-from gateway.edge.auth import KeyRing
+from gateway.edge.admission import KeyRing, Preparer, TenantQuota
 from gateway.edge.browser_guard import install_browser_guard
 from gateway.edge.handlers import MessagesRequestId, install_error_handlers
 from gateway.edge.limits import BodySizeLimit
@@ -140,7 +139,7 @@ def _install_routes(app: FastAPI) -> None:
         return JSONResponse(body, status_code=200 if status != "failed" else 503)
 
     @app.get("/version")  # as vLLM's; tenant_salt: a trusted proxy's X-Toolkv-Tenant is honoured
-    async def version(request: Request) -> JSONResponse:  # (gateway/edge/auth.py), which proxies check
+    async def version(request: Request) -> JSONResponse:  # (gateway/edge/admission.py), which proxies check
         body: dict[str, Any] = {"version": request.app.version, "tenant_salt": True}
         runtime = gateway_state(request.app).model.runtime
         if runtime is not None:  # once loaded: device, dtype, attention backend (the bench reports them)

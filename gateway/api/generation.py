@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from gateway.api.state import GatewayState, gateway_state
-from gateway.edge.auth import Tenant
+from gateway.edge.admission import Tenant
 from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, parse_object, unless_disconnected
 from gateway.edge.handlers import validation_error as validation_error
 from gateway.edge.limits import check_request_limits

@@ -10,8 +10,7 @@ from starlette.applications import Starlette
 
 from gateway.api.responses.store import ResponseStore
 from gateway.api.threads import ThreadStore
-from gateway.edge.admission import Preparer, TenantQuota
-from gateway.edge.auth import KeyRing
+from gateway.edge.admission import KeyRing, Preparer, TenantQuota
 from gateway.errors import ModelLoadFailed, ModelLoading
 from gateway.metrics import Metrics
 from gateway.settings import Settings

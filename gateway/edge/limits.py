@@ -19,7 +19,7 @@ import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.edge.auth import KeyRing
+from gateway.edge.admission import KeyRing
 from gateway.errors import APIError, BadRequest, PayloadTooLarge, RequestTimeout, send_error
 from gateway.protocol.generation import GenerationRequest
 from gateway.protocol.messages import error_body as anthropic_error

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from gateway.edge.auth import TENANT_HEADER, Tenant
+from gateway.edge.admission import TENANT_HEADER, Tenant
 from gateway.proxy import tenancy
 from gateway.proxy.state import proxy_state
 from gateway.settings import Settings
@@ -20,7 +20,7 @@ def upstream_headers(request: Request, tenant: Tenant | None = None) -> dict[str
     """The upstream key (or, on an open proxy without one, the client's own `Authorization` or
     `x-api-key`: a proxy with keys never passes its clients' keys on), and in tenant mode
     `tenant`'s own salt as `X-Toolkv-Tenant`, which a toolkv upstream that trusts this proxy's key
-    takes as the request's namespace (gateway/edge/auth.py)."""
+    takes as the request's namespace (gateway/edge/admission.py)."""
     state = proxy_state(request.app)
     settings: Settings = state.settings
     headers = {"content-type": "application/json", "accept-encoding": "identity"}

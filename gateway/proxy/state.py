@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 from starlette.applications import Starlette
 
 if TYPE_CHECKING:
-    from gateway.edge.admission import Preparer, TenantQuota
-    from gateway.edge.auth import KeyRing
+    from gateway.edge.admission import KeyRing, Preparer, TenantQuota
     from gateway.proxy.fleet.dashboard import TtftWindows
     from gateway.proxy.fleet.view import FleetView
     from gateway.proxy.forward import Forwarder

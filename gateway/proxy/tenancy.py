@@ -2,7 +2,7 @@
 API keys. Each request names its tenant to the upstream two ways: vLLM's `cache_salt` in the body
 (the group's salt, gateway/proxy/shaping.py) and toolkv's `X-Toolkv-Tenant` header (the tenant's
 own salt), which a toolkv upstream honours only from a key in its `trusted_proxy_keys` and refuses
-(403) from any other (gateway/edge/auth.py). An upstream that honours neither serves every tenant
+(403) from any other (gateway/edge/admission.py). An upstream that honours neither serves every tenant
 from one cache, so one tenant's `cached_tokens` would confirm another's prompts: such an upstream
 gets no request.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 import orjson
 
-from gateway.edge.auth import TENANT_HEADER
+from gateway.edge.admission import TENANT_HEADER
 from gateway.errors import UpstreamUnavailable
 from gateway.proxy.bounded import Unreadable, fetch
 from gateway.proxy.routing import Route

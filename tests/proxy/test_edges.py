@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.edge.auth import _salt
+from gateway.edge.admission import _salt
 from tests.proxy.conftest import (
     client_for,
     group_id,

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.edge.auth import _salt
+from gateway.edge.admission import _salt
 from tests.proxy.conftest import home_of, metric, proxy
 
 KEYS = ("key-a", "key-b")

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.edge.auth import _salt
+from gateway.edge.admission import _salt
 from gateway.proxy.app import create_proxy_app
 from gateway.proxy.tenancy import TenantsNotKeptApart
 from gateway.settings import load_settings

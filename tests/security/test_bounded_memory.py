@@ -35,7 +35,7 @@ from gateway.api.responses.store import (
     StoredResponse,
     Turn,
 )
-from gateway.edge.auth import tenant_salt
+from gateway.edge.admission import tenant_salt
 from gateway.engine.prefix_index import Conversations, Record, chain_hashes
 from gateway.kvcache import pins as pins_module
 from gateway.kvcache.block_pool import BlockPool, PoolShape

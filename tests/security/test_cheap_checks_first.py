@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.edge.auth import tenant_salt
+from gateway.edge.admission import tenant_salt
 from gateway.settings import load_settings
 from tests.support.server import LiveServer, serve
 

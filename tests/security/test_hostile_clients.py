@@ -109,7 +109,7 @@ def test_one_key_cannot_hold_more_than_its_quota_and_others_still_get_served(liv
 
 
 def _salt(live, key: str) -> str:
-    from gateway.edge.auth import _salt
+    from gateway.edge.admission import _salt
 
     return _salt(key.encode())
 

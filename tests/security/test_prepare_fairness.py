@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.edge.admission import Preparer
-from gateway.edge.auth import tenant_salt
+from gateway.edge.admission import Preparer, tenant_salt
 from gateway.serving.service import ChatService
 from gateway.settings import load_settings
 from tests.support.server import serve

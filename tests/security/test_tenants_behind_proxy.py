@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from gateway.api.app import create_app
-from gateway.edge.auth import _salt
+from gateway.edge.admission import _salt
 from gateway.proxy.app import create_proxy_app
 from gateway.proxy.tenancy import TenantsNotKeptApart
 from gateway.settings import load_settings

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.edge.auth import _salt
+from gateway.edge.admission import _salt
 from gateway.serve_ray import engine_name
 from tests.proxy.conftest import metric
 from tests.serve_ray.conftest import ray_fleet, ray_settings

@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.edge.auth import tenant_salt
+from gateway.edge.admission import tenant_salt
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.proxy.conftest import group_id, messages, metric, tools_of

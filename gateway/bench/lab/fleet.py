@@ -45,7 +45,7 @@ from gateway.bench.lab.fleet_metrics import (
 from gateway.bench.lab.plan import LabPlan
 from gateway.bench.server import ServerFailed
 from gateway.bench.workload import ToolGroup, WorkloadError
-from gateway.edge.auth import tenant_salt as key_salt
+from gateway.edge.admission import tenant_salt as key_salt
 from gateway.proxy.routing import AffinityRouter, affinity_key
 
 MAX_CANDIDATES = 64  # groups ranked to find the balanced case's even split (each home is a coin toss)
@@ -249,5 +249,5 @@ def group_id(body: dict[str, Any]) -> str:
 
 
 def tenant_salt(api_key: str | None) -> str:
-    """The salt the ingress routes a key's groups by: "" on an open gateway (gateway.edge.auth)."""
+    """The salt the ingress routes a key's groups by: "" on an open gateway (gateway.edge.admission)."""
     return "" if api_key is None else key_salt(api_key.encode())
