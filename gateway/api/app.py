@@ -36,8 +36,7 @@ from gateway.api.responses.store import ResponseStore
 from gateway.api.state import GatewayState, ModelSlot, gateway_state
 from gateway.api.threads import ThreadStore
 from gateway.edge.admission import KeyRing, Preparer, TenantQuota
-from gateway.edge.browser_guard import install_browser_guard
-from gateway.edge.handlers import MessagesRequestId, install_error_handlers
+from gateway.edge.handlers import MessagesRequestId, install_browser_guard, install_error_handlers
 from gateway.edge.limits import BodySizeLimit
 from gateway.edge.server import CutOffAnswer
 from gateway.metrics import Metrics

@@ -24,8 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.edge.admission import KeyRing, Preparer, Tenant, TenantQuota
-from gateway.edge.browser_guard import install_browser_guard
-from gateway.edge.handlers import CLIENT_CLOSED_REQUEST, GONE, install_error_handlers, parse_object, unless_disconnected
+from gateway.edge.handlers import (
+    CLIENT_CLOSED_REQUEST,
+    GONE,
+    install_browser_guard,
+    install_error_handlers,
+    parse_object,
+    unless_disconnected,
+)
 from gateway.edge.limits import BodySizeLimit
 from gateway.errors import BadGateway, BadRequest, ModelNotFound, NotFound, UpstreamUnavailable
 from gateway.proxy import tenancy, upstream_info

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.api.app import create_app
-from gateway.edge.browser_guard import install_browser_guard, split_host
+from gateway.edge.handlers import install_browser_guard, split_host
 from gateway.settings import load_settings
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401 - the fixture
 from tests.support.server import LiveServer, serve_app

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.api.dashboard import STATIC_DIR
-from gateway.edge.browser_guard import DASHBOARD_CSP
+from gateway.edge.handlers import DASHBOARD_CSP
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import engine_name
 from tests.observability.test_dashboard_browser import Page, browser  # noqa: F401  # browser: a fixture
