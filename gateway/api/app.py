@@ -44,7 +44,7 @@ from gateway.protocol import chat_output
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completions import CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import Prepared
 from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import Settings
 

@@ -32,8 +32,7 @@ from gateway.errors import BadRequest, ContextLengthExceeded
 from gateway.protocol import chat_output
 from gateway.protocol.answer import AnswerEvent, Ended, TextWritten
 from gateway.protocol.completions import DEFAULT_MAX_TOKENS, CompletionRequest
-from gateway.serving.answers import LegacyLogprobs
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import LegacyLogprobs, Prepared
 from gateway.serving.runtime import Runtime
 from gateway.serving.service import ChatService
 

@@ -35,7 +35,7 @@ from gateway.errors import APIError, ModelNotFound, error_envelope
 from gateway.metrics import Metrics
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.generation import GenerationRequest
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import Prepared
 from gateway.serving.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from gateway.edge.handlers import new_request_id
 from gateway.errors import APIError
 from gateway.protocol.answer import AnswerEvent
 from gateway.protocol.messages import CountTokensRequest, MessagesRequest, to_generation
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import Prepared
 from gateway.serving.runtime import Runtime
 
 # Not in /openapi.json, which describes the OpenAI-compatible API (Anthropic publishes this one's).

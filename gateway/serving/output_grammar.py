@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from adapters.base import CallSyntax, ChatFamily, ToolSpec
@@ -37,7 +38,14 @@ from gateway.protocol.generation import FieldNames, GenerationRequest
 from gateway.serving.checks import forced_name, special_markers
 from gateway.serving.finite_schemas import has_finite_instance
 from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, GrammarError, Grammars, SchemaMemo
-from gateway.serving.jobs import ForcedCall
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """`tool_choice` as text after the generation prompt, as if the model had written it."""
+
+    opening: str = ""
+    complete: bool = False  # the whole call: a named function that takes no arguments
 
 
 class OutputGrammar:

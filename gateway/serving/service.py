@@ -43,7 +43,15 @@ from gateway.protocol import chat_output
 from gateway.protocol.answer import Answer, AnswerEvent
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.generation import GenerationRequest, Sampling
-from gateway.serving.answers import Accounting, StreamedAnswer, TokenTexts, content_and_calls
+from gateway.serving.answers import (
+    Accounting,
+    Outcome,
+    Prepared,
+    StreamedAnswer,
+    TokenTexts,
+    content_and_calls,
+    usage_of,
+)
 from gateway.serving.checks import (
     check_finite_schemas,
     check_tool_choice,
@@ -52,7 +60,6 @@ from gateway.serving.checks import (
     max_token_chars,
 )
 from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
-from gateway.serving.jobs import Outcome, Prepared, usage_of
 from gateway.serving.literal_specials import LiteralSpecials, cut, written_by
 from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer

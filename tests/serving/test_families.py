@@ -19,7 +19,7 @@ from gateway.engine.model_info import ModelInfo
 from gateway.errors import BadRequest
 from gateway.metrics import Metrics
 from gateway.protocol.chat import ChatCompletionRequest
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import Prepared
 from gateway.serving.service import ChatService
 from tests.conftest import WORKLOADS
 from tests.support.family_models import SETUPS

@@ -42,7 +42,7 @@ from gateway.protocol.responses_output import (
     status_of,
     usage_of,
 )
-from gateway.serving.jobs import Prepared
+from gateway.serving.answers import Prepared
 from gateway.serving.runtime import Runtime
 
 router = APIRouter()
