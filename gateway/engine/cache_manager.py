@@ -26,8 +26,7 @@ from gateway.engine.events import CacheResult, Job, WarmGroup
 from gateway.engine.prefix_index import Conversations, GroupIndex, Record, chain_hashes, chunk_ends
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheEntry, CacheIdentity, PrefixKey
 from gateway.kvcache.pins import Level
 from gateway.kvcache.store import PrefixStore
 

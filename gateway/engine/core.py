@@ -57,8 +57,7 @@ from gateway.engine.stats import DeviceSpan, EngineStats, StepCounts, StepRecord
 from gateway.engine.tokenizer import Tokenizer
 from gateway.engine.warmup import warm_up
 from gateway.kvcache.block_pool import BlockPool
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ class Engine:
         self._counts = StepCounts()
         self.ahead = DecodeAhead(self.runner, self.scheduler, self._outputs, self._intake, self._counts)
         self._thread = threading.Thread(target=self._run, name="toolkv-engine", daemon=True)
-        for owned in (store.owner, self.pool.owner):  # changed on this thread only, once it runs (kvcache/owner.py)
+        for owned in (store.owner, self.pool.owner):  # changed on this thread only, once it runs (block_pool.Owner)
             owned.bind(self._thread, self.call)
 
     # ---- public API ------------------------------------------------------------------------

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.engine.sampling import SamplingParams, TokenLogprob
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 
 if TYPE_CHECKING:
     from gateway.engine.constraints import Constraint

@@ -11,7 +11,7 @@ import torch
 
 from gateway.engine.tokenizer import Tokenizer
 from gateway.kvcache.block_pool import PoolShape
-from gateway.kvcache.keys import CacheIdentity
+from gateway.kvcache.entry import CacheIdentity
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,8 +45,7 @@ from gateway.engine.sampling import Sampler, TokenLogprob
 from gateway.engine.stats import DeviceSpan
 from gateway.engine.tokenizer import Tokenizer
 from gateway.kvcache.block_pool import BlockRun
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 
 if TYPE_CHECKING:  # the cache manager makes sequences' placements and keeps sequences
     from gateway.engine.cache_manager import Placement

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from gateway.kvcache.entry import CacheEntry, LayerKV
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheEntry, CacheIdentity, LayerKV, PrefixKey
 
 FORMAT_VERSION = 2
 _META = "toolkv."  # prefix of every header key this format writes

@@ -39,7 +39,7 @@ from gateway.kvcache.disk_format import (
     encode,
     identity_fields,
 )
-from gateway.kvcache.entry import CacheEntry
+from gateway.kvcache.entry import CacheEntry, CacheIdentity, PrefixKey
 from gateway.kvcache.entry_file import (
     FileId,
     create_locked,
@@ -50,7 +50,6 @@ from gateway.kvcache.entry_file import (
     unpack,
     write_entry,
 )
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
 from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 
 log = logging.getLogger(__name__)

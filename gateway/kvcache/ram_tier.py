@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.kvcache.block_pool import Owner
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.pins import Level
 
 

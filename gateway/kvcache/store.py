@@ -42,8 +42,7 @@ from gateway.kvcache.block_pool import Owner
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.disk_writer import BackgroundWriter
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
 from gateway.kvcache.ram_tier import RamTier
 

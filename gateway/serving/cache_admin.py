@@ -22,8 +22,7 @@ from adapters.render import RenderError
 from gateway.edge.limits import MAX_DOCUMENT_DEPTH, TooDeep, check_nesting
 from gateway.engine import Engine, TooLarge
 from gateway.errors import APIError, BadRequest, ContextLengthExceeded
-from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.pins import PinBudgetExceeded, PinsNotSaved
 from gateway.kvcache.store import EntryInfo
 from gateway.protocol.chat import ToolIn

@@ -21,7 +21,7 @@ from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.plan import engine_plan
 from gateway.engine.stats import Snapshot, take_snapshot
 from gateway.kvcache.disk_tier import DiskTier
-from gateway.kvcache.keys import CacheIdentity
+from gateway.kvcache.entry import CacheIdentity
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics

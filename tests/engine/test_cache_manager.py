@@ -18,7 +18,7 @@ from gateway.engine.events import Failed, Job, WarmGroup, WarmUpFailed
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequence import Phase, Sequence
 from gateway.kvcache.block_pool import BlockPool, BlockRun, PoolShape
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheIdentity, PrefixKey
 from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 

@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 
 from gateway.kvcache.disk_tier import DiskTier
-from gateway.kvcache.entry import CacheEntry, LayerKV
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheEntry, CacheIdentity, LayerKV, PrefixKey
 
 IDENTITY = CacheIdentity("model-a", "tokenizer-a", "chatml-1")
 OTHER_MODEL = CacheIdentity("model-b", "tokenizer-a", "chatml-1")

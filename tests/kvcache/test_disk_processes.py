@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import PrefixKey
 from tests.kvcache.entries import IDENTITY, bitwise_equal, disk, make_entry
 
 ROOT = Path(__file__).resolve().parents[2]

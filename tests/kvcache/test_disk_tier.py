@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from gateway.kvcache.disk_format import FORMAT_VERSION, CacheFault, encode
 from gateway.kvcache.disk_tier import DiskTier
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import PrefixKey
 from tests.kvcache.entries import IDENTITY, OTHER_MODEL, bitwise_equal, disk, make_entry
 
 TOKENS = list(range(100, 140))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheIdentity, PrefixKey
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 
@@ -30,7 +30,7 @@ def test_key_changes_with_model_tokenizer_adapter_salt_and_tokens():
 
 
 def test_digest_is_stable_across_processes():
-    code = ("from gateway.kvcache.keys import CacheIdentity, PrefixKey;"
+    code = ("from gateway.kvcache.entry import CacheIdentity, PrefixKey;"
             "print(PrefixKey.of(CacheIdentity('model-a','tok-a','chatml-1'), [1,2,3,4]).digest)")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == PrefixKey.of(BASE, IDS).digest

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.kvcache.entry import CacheEntry, LayerKV
-from gateway.kvcache.keys import CacheIdentity, PrefixKey
+from gateway.kvcache.entry import CacheEntry, CacheIdentity, LayerKV, PrefixKey
 from gateway.kvcache.ram_tier import RamTier
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from adapters.base import ChatMessage, ToolSpec
-from gateway.kvcache.keys import PrefixKey
+from gateway.kvcache.entry import PrefixKey
 from gateway.metrics import Metrics
 from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import load_settings
