@@ -30,8 +30,8 @@ LAYERS = ("edge", "api", "protocol", "serving", "adapters", "engine", "kvcache")
 FRONT = ("edge", "api", "protocol", "serving", "adapters")  # the request's way to the engine and back
 # The counts as they are (2026-11-28), so that none grows unnoticed; issue 34's targets are 40 in all,
 # 20 of them in front of the engine (edge, api, protocol, serving, adapters) and 19 behind it.
-MAX_FRONT_MODULES = {"miss": 25, "hit": 24}
-MAX_MODULES = {"miss": 51, "hit": 45}
+MAX_FRONT_MODULES = {"miss": 24, "hit": 23}
+MAX_MODULES = {"miss": 49, "hit": 43}
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"does thing {i}", "parameters": {
     "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}} for i in range(3)]
 
