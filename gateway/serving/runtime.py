@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -46,6 +46,12 @@ class Runtime:
     metrics: Metrics
     _refreshing: bool = False  # a gauge refresh is running on a worker thread
     _snapshot: Snapshot | None = None  # the last one the engine took
+    model_name: str = field(init=False)  # the served name (/v1/models)
+    model_aliases: frozenset[str] = field(init=False)  # what a request's `model` may say: name or location
+
+    def __post_init__(self) -> None:  # once at load: every request reads them
+        self.model_name = self.loaded.source.served_name
+        self.model_aliases = frozenset({self.loaded.source.served_name, self.loaded.source.location})
 
     @property
     def admin(self) -> StoreAdmin:
@@ -65,14 +71,6 @@ class Runtime:
         except (QueueFull, TimeoutError):
             pass
         return self._snapshot
-
-    @property
-    def model_name(self) -> str:
-        return self.loaded.source.served_name
-
-    @property
-    def model_aliases(self) -> frozenset[str]:
-        return frozenset({self.loaded.source.served_name, self.loaded.source.location})
 
     def engine_info(self) -> dict[str, Any]:
         """What the engine runs on, for `/version` (a bench or an operator reads it from there)."""
