@@ -26,7 +26,7 @@ from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.pins import PinBudgetExceeded, PinsNotSaved
 from gateway.kvcache.store import EntryInfo
 from gateway.protocol.chat import ToolIn
-from gateway.serving.checks import check_unique_names
+from gateway.serving.output_grammar import check_unique_names
 from gateway.serving.service import ChatService
 from gateway.serving.store_admin import StoreAdmin
 from gateway.settings import Settings, SettingsError

@@ -52,16 +52,15 @@ from gateway.serving.answers import (
     content_and_calls,
     usage_of,
 )
-from gateway.serving.checks import (
+from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
+from gateway.serving.literal_specials import LiteralSpecials, cut, written_by
+from gateway.serving.output_grammar import (
+    OutputGrammar,
     check_finite_schemas,
     check_tool_choice,
     check_unique_names,
     marker_ids,
-    max_token_chars,
 )
-from gateway.serving.grammars import GRAMMAR_CACHE_BYTES, Grammars
-from gateway.serving.literal_specials import LiteralSpecials, cut, written_by
-from gateway.serving.output_grammar import OutputGrammar
 from gateway.serving.prompt_tokens import MAX_HEAD_BYTES, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -356,3 +355,11 @@ def _arguments_chars(arguments: str) -> int:
     into the one character it names; text that is not JSON is written as it is."""
     blanks = sum(arguments.count(blank) for blank in " \t\n\r")
     return max(0, len(arguments) - blanks - 6 * arguments.count("\\u") - arguments.count("\\/"))
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for. A vocabulary entry's string has one character
+    per byte (byte-level BPE) or per character (SentencePiece's `▁` for a space), and a character
+    is at least one byte, so no token covers more characters than its entry is long. (This holds
+    for tokenizers whose normalizer never deletes characters: every chat model's here.)"""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1

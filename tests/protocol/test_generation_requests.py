@@ -12,7 +12,7 @@ from gateway.protocol import messages
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.generation import ToolChoice
 from gateway.protocol.messages import MessagesRequest
-from gateway.serving.checks import check_tool_choice, check_unique_names
+from gateway.serving.output_grammar import check_tool_choice, check_unique_names
 
 pytestmark = pytest.mark.model_free
 
