@@ -13,6 +13,7 @@ from gateway.metrics import Metrics
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.serving.runtime import Runtime, build_runtime
 from gateway.settings import load_settings
+from tests.support.tiny_gguf import write_tiny_gguf
 
 
 def make_runtime(model_dir: Path, **overrides: Any) -> Runtime:
@@ -21,6 +22,12 @@ def make_runtime(model_dir: Path, **overrides: Any) -> Runtime:
     settings = load_settings(overrides={"model": str(model_dir), "min_prefix_tokens": 8, **overrides},
                              environ={})
     return build_runtime(settings, Metrics())
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Read only by the tests (a loader that converts it writes into its own cache dir)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.Q8_0.gguf")
 
 
 @pytest.fixture

@@ -16,12 +16,6 @@ import torch
 from gateway.engine.gguf_copy import MANIFEST_FILE, WEIGHTS_FILE, copies_dir
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.settings import Settings, load_settings
-from tests.support.tiny_gguf import write_tiny_gguf
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.Q8_0.gguf")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from gateway.settings import load_settings
 from tests.engine.conftest import generate
 from tests.engine.test_cached_equals_uncached import body
 from tests.engine.test_models import PROMPT, reference_greedy, runner_greedy
-from tests.support.tiny_gguf import write_tiny_gguf
 
 pytest.importorskip("bitsandbytes")
 QUANTIZATIONS = ["nf4", "int8"]
@@ -77,11 +76,10 @@ def test_quantization_where_bitsandbytes_cannot_run_it_stops_start_up_naming_the
         load_model(settings)
 
 
-def test_a_gguf_is_quantized_from_its_converted_copy(tmp_path):
+def test_a_gguf_is_quantized_from_its_converted_copy(tiny_gguf, tmp_path):
     """The copy's config records the GGUF it came from; its weights are floats, quantized as any
     checkpoint's (a first start converts, writes the copy and loads it as every later start does)."""
-    gguf = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf")
-    settings = load_settings(overrides={"model": str(gguf), "quantization": "int8", "cache_dir": str(tmp_path)},
+    settings = load_settings(overrides={"model": str(tiny_gguf), "quantization": "int8", "cache_dir": str(tmp_path)},
                              environ={})
     model = load_model(settings).model
     assert models.llama.quantization(model) == "int8" and models.supports(model)
