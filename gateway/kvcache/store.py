@@ -38,13 +38,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.kvcache.block_pool import Owner
+from gateway.kvcache.block_pool import Owner, RamTier
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.disk_tier import DiskRecord, DiskTier
 from gateway.kvcache.disk_writer import BackgroundWriter
 from gateway.kvcache.entry import CacheEntry, PrefixKey
 from gateway.kvcache.pins import DEFAULT_RETAINED_BUDGET_BYTES, Level, Pins
-from gateway.kvcache.ram_tier import RamTier
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from gateway.engine.model_info import ModelInfo
 from gateway.engine.model_loader import LoadedModel, load_model
 from gateway.engine.plan import engine_plan
 from gateway.engine.stats import Snapshot, take_snapshot
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.entry import CacheIdentity
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.metrics import Metrics
 from gateway.serving.cache_admin import read_configured_groups, warm_configured

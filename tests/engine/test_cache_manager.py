@@ -17,9 +17,8 @@ from gateway.engine.cache_manager import HOLD, KVCacheManager, Placement
 from gateway.engine.events import Failed, Job, WarmGroup, WarmUpFailed
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequence import Phase, Sequence
-from gateway.kvcache.block_pool import BlockPool, BlockRun, PoolShape
+from gateway.kvcache.block_pool import BlockPool, BlockRun, PoolShape, RamTier
 from gateway.kvcache.entry import CacheIdentity, PrefixKey
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 
 SHAPE = PoolShape(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)

@@ -69,7 +69,7 @@ print("done", flush=True)
 _WRITER_ON_A_FULL_DISK = """
 import json, resource, signal, sys
 from pathlib import Path
-from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import disk, make_entry
 entry = make_entry([7] * 16, seq_len=4096)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.disk_format import CacheFault
 from gateway.kvcache.entry_file import create_locked
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import bitwise_equal, disk, make_entry
 
@@ -148,7 +148,7 @@ _FUZZ_SPECIAL_FILES = """
 import os, socket, sys
 from pathlib import Path
 from hypothesis import HealthCheck, given, settings, strategies as st
-from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import disk, make_entry
 

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.kvcache.block_pool import BlockPool, PoolShape, WrongThread
-from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.block_pool import BlockPool, PoolShape, RamTier, WrongThread
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import make_entry
 

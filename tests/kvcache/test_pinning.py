@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from gateway.kvcache import pins as pins_module
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.pins import PINS_FILE, Level, PinBudgetExceeded, Pins
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from gateway.settings import load_settings
 from tests.kvcache.entries import disk, make_entry

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.pins import PINS_FILE, Level, Pins, PinsNotSaved
 from gateway.kvcache.pins_file import LOCK_FILE, Hold, locked, write_holds
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import disk, make_entry
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _HOLDER = """
 import json, sys
 from pathlib import Path
-from gateway.kvcache.ram_tier import RamTier
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import disk, make_entry
 store = PrefixStore(RamTier(1 << 30), disk(Path(sys.argv[1])))

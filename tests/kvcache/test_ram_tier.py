@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.entry import CacheEntry, CacheIdentity, LayerKV, PrefixKey
-from gateway.kvcache.ram_tier import RamTier
 
 pytestmark = pytest.mark.model_free  # no model, no server: in the fast subset
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from gateway.kvcache import pins as pins_module
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.entry import CacheEntry
 from gateway.kvcache.pins import Level, Pins, tenant_label
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.shares import Retained, fair_shares, protected
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import IDENTITY, disk, make_entry

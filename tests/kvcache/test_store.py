@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.kvcache.block_pool import RamTier
 from gateway.kvcache.disk_tier import DiskTier
 from gateway.kvcache.entry import CacheEntry
-from gateway.kvcache.ram_tier import RamTier
 from gateway.kvcache.store import PrefixStore
 from tests.kvcache.entries import IDENTITY, bitwise_equal, disk, make_entry
 
