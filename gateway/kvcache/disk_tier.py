@@ -30,7 +30,6 @@ from stat import S_ISREG
 
 import torch
 
-from gateway.kvcache.disk_files import BadFiles, Clock, delete, fsync_dir, quarantined_at
 from gateway.kvcache.disk_format import (
     CacheFault,
     Header,
@@ -41,10 +40,15 @@ from gateway.kvcache.disk_format import (
 )
 from gateway.kvcache.entry import CacheEntry, CacheIdentity, PrefixKey
 from gateway.kvcache.entry_file import (
+    BadFiles,
+    Clock,
     FileId,
     create_locked,
+    delete,
+    fsync_dir,
     is_abandoned,
     open_regular,
+    quarantined_at,
     read_all,
     read_metadata,
     unpack,

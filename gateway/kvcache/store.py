@@ -23,7 +23,7 @@ their only user), each at a real thread boundary:
 - `BackgroundWriter`'s condition: the queue between the engine and the disk writer thread;
 - `Pins`: its maps (`_lock`) and its file's read-merge-write (`_io_lock`), shared by the engine
   (eviction asks for levels), the pins watcher and saver threads and the routes' worker threads;
-- the disk tier's `BadFiles` and `Clock` (disk_files.py): used by the engine's reads, the disk
+- the disk tier's `BadFiles` and `Clock` (entry_file.py): used by the engine's reads, the disk
   writer's saves and the routes' listings.
 The block pool's hand-back queue (`BlockPool.release_later`) is a thread-safe deque, not a lock.
 """
