@@ -28,10 +28,11 @@ ROOT = str(Path(__file__).resolve().parents[2]) + "/"
 CARRIERS = ("toolkv-prepare_", "toolkv-engine")  # with the event loop's thread (found by its route)
 LAYERS = ("edge", "api", "protocol", "serving", "adapters", "engine", "kvcache")
 FRONT = ("edge", "api", "protocol", "serving", "adapters")  # the request's way to the engine and back
-# The counts as they are (2026-11-28), so that none grows unnoticed; issue 34's targets are 40 in all,
-# 20 of them in front of the engine (edge, api, protocol, serving, adapters) and 19 behind it.
-MAX_FRONT_MODULES = {"miss": 24, "hit": 23}
-MAX_MODULES = {"miss": 49, "hit": 43}
+# The counts as they are (2026-11-28), so that none grows unnoticed; issue 34's targets are 40 in all
+# (met on a hit), 20 of them in front of the engine (edge, api, protocol, serving, adapters). A miss
+# runs five more, each a miss's own work (docs/architecture.md "A request's path" names them).
+MAX_FRONT_MODULES = {"miss": 22, "hit": 21}
+MAX_MODULES = {"miss": 45, "hit": 40}
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"does thing {i}", "parameters": {
     "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}} for i in range(3)]
 
