@@ -3,8 +3,9 @@ on a tiny random-weight model: two engine replicas sharing one cache dir behind 
 free port on 127.0.0.1. Ray and Serve start once for the package (`serve_port`: ~20 s of a quiet
 machine's 2 cores each time); each module's fleet is an application deployed on them and deleted
 after the module (its replicas' processes with it), so no module sees another's engines or cache.
-`ingress_url` is one such fleet shared by test_replicas.py and test_fleet_view.py, whose tests
-measure what they change."""
+`ingress_url` is one such fleet shared by test_fleet_view.py, test_lab_fleet.py and
+test_replicas.py, whose tests measure what they change; it is deployed when the first of them
+runs, so the modules that deploy fleets of their own come before them (file order)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from typing import Any
 
 import pytest
 
+from gateway.serve_ray import APP_NAME
 from gateway.settings import Settings, load_settings
 from tests.support.server import free_port, wait_until_ready
 
 MODEL = "tiny-llama"
 REPLICAS = 2
+HOT_BOUND = 2  # the package fleet's upstream_max_in_flight
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,27 +51,30 @@ def serve_port() -> Iterator[int]:
 
 
 @contextmanager
-def ray_fleet(settings: Settings) -> Iterator[str]:
+def ray_fleet(settings: Settings, app: str = APP_NAME, route_prefix: str = "/",
+              engine_num_cpus: float = 1.0) -> Iterator[str]:
     """The application on the package's Ray instance (`settings.port` is `serve_port`); yields the
     ingress's base URL, and deletes the application (replicas and ingress) after."""
     serve = pytest.importorskip("ray.serve")
-    from gateway.serve_ray import APP_NAME
     from gateway.serve_ray.deployments import build_application
 
+    # serve.run would replace a running app of that name (a package fleet another module still uses)
+    assert app not in serve.status().applications, f"the application {app!r} is already deployed"
     try:
-        serve.run(build_application(settings, settings.replicas), name=APP_NAME, route_prefix="/")
-        base_url = f"http://{settings.host}:{settings.port}"
+        serve.run(build_application(settings, settings.replicas, engine_num_cpus), name=app, route_prefix=route_prefix)
+        base_url = f"http://{settings.host}:{settings.port}{route_prefix.rstrip('/')}"
         wait_until_ready(base_url)
         yield base_url
     finally:
-        serve.delete(APP_NAME)
+        serve.delete(app)
 
 
 @pytest.fixture(scope="package")
 def ingress_url(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
                 serve_port: int) -> Iterator[str]:
-    """The bound is 1 so that two streams of one group at once spread over both replicas."""
+    """The bound is 2, half the bench's hot clients (as `toolkv bench --spawn` sets it): a group's
+    third stream at once goes to its second replica."""
     settings = ray_settings(tiny_model_dir, tmp_path_factory.mktemp("ray-cache"), port=serve_port,
-                            upstream_max_in_flight=1)
+                            upstream_max_in_flight=HOT_BOUND)
     with ray_fleet(settings) as base_url:
         yield base_url

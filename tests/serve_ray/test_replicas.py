@@ -4,6 +4,7 @@ ingress: interleaved tool groups each compile once, on their home replica, and h
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.proxy.routing import AffinityRouter, affinity_key
 from gateway.serve_ray import APP_NAME, engine_name
 from tests.proxy.conftest import group_id, messages, metric, tools_of
-from tests.serve_ray.conftest import MODEL, REPLICAS
+from tests.serve_ray.conftest import HOT_BOUND, MODEL, REPLICAS
 from tests.support.waiting import wait_until
 
 pytest.importorskip("ray.serve")
@@ -142,25 +143,30 @@ def fleet_metrics(base_url: str) -> dict[str, float]:
     return samples(httpx.get(base_url + "/metrics", timeout=30).text)
 
 
-def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_both(ingress_url):
-    """Two streams of one group with the bound at 1: the second goes to the group's second replica;
-    both clients then hang up, which ends both generations on the replicas."""
-    body = {"model": MODEL, "messages": messages("You are very popular.", "Write a long story."), "tools": TOOLS,
+def test_a_hot_group_spreads_to_its_second_replica_and_hang_ups_stop_every_generation(ingress_url):
+    """One stream more than the bound, of one group, at once: the bound's worth stay on the group's
+    home, the last goes to its second replica; the clients then hang up, which ends every
+    generation on the replicas."""
+    system = "You are very popular."
+    body = {"model": MODEL, "messages": messages(system, "Write a long story."), "tools": TOOLS,
             "tool_choice": "none", "temperature": 0, "max_tokens": 3000, "stream": True}
     before = fleet_metrics(ingress_url)
     spilled = metric(before, "toolkv_upstream_routed_total", route="spill")
     hung_up = metric(before, "toolkv_requests_total", status="499")
     url = ingress_url + "/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, timeout=120) as first:
-        first_lines = first_event(first)  # in flight on its home until the stream ends
-        with httpx.stream("POST", url, json=body, timeout=120) as second:
-            second_lines = first_event(second)
-            during = fleet_metrics(ingress_url)
-    del first_lines, second_lines
+    with contextlib.ExitStack() as streams:  # each in flight (its first event read) before the next is sent
+        held = [first_event(streams.enter_context(httpx.stream("POST", url, json=body, timeout=120)))
+                for _ in range(HOT_BOUND + 1)]
+        during = fleet_metrics(ingress_url)
+    del held
     assert metric(during, "toolkv_upstream_routed_total", route="spill") == spilled + 1
-    assert [metric(during, "toolkv_requests_in_flight", replica=engine_name(i)) for i in range(REPLICAS)] == [1, 1]
+    in_flight = {engine_name(i): metric(during, "toolkv_requests_in_flight", replica=engine_name(i))
+                 for i in range(REPLICAS)}
+    homed = home(system).removeprefix("http://")
+    assert in_flight == {name: HOT_BOUND if name == homed else 1 for name in in_flight}
     assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_in_flight") == 0)
-    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499") == hung_up + 2)
+    assert wait_until(lambda: metric(fleet_metrics(ingress_url), "toolkv_requests_total", status="499")
+                      == hung_up + HOT_BOUND + 1)
 
 
 def test_warming_compiles_a_group_on_its_home_replica_only(ingress_url):
