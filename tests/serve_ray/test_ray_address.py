@@ -4,13 +4,16 @@ toolkv finds the token where Ray's own tools do (here `RAY_AUTH_TOKEN_PATH`, wit
 unset, as an operator's shell has it) and serves through the cluster.
 
 The head gets its own `--temp-dir`, so `/tmp/ray/ray_current_cluster` (which a `ray.init()` with no
-address follows) is never rewritten, and it runs `--block` as a child of this test: stopping that
-one process stops every process of this cluster and of no other (`ray stop` would kill every Ray
-process on the machine, other sessions' included). Whatever happens, the test ends with none of
-them running."""
+address follows) is never rewritten, and it runs `--block` as a child of this test: its process
+tree is this cluster and no other (`ray stop` would kill every Ray process on the machine, other
+sessions' included). The cluster is the test's scaffolding, so it is killed, tree and all, at once
+(`ray start --block` on SIGTERM stops gracefully, ~30 s with Serve's detached controller and proxy
+on it); toolkv's own stop is what a user meets, and gets SIGTERM. Whatever happens, the test ends
+with none of them running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -77,6 +80,17 @@ def stop_tree(proc: subprocess.Popen[bytes], descendants: list[psutil.Process]) 
     return list(alive)
 
 
+def kill_tree(proc: subprocess.Popen[bytes], descendants: list[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL `proc` and `descendants` at once; returns the processes still alive after (none, normally)."""
+    for victim in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    proc.kill()
+    proc.wait(STOP_S)
+    _, alive = psutil.wait_procs(descendants, timeout=STOP_S)
+    return list(alive)
+
+
 def descendants_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
     try:
         return list(psutil.Process(proc.pid).children(recursive=True))
@@ -104,7 +118,7 @@ def ray_head() -> Iterator[Head]:
         poll(address_file.exists, HEAD_START_S, head, log)
         yield Head(address_file.read_text().strip(), temp_dir, token_path)
     finally:
-        left = stop_tree(head, descendants_of(head))
+        left = kill_tree(head, descendants_of(head))
         ours = address_file.read_text().strip() if address_file.exists() else None
         default_after = DEFAULT_ADDRESS_FILE.read_text().strip() if DEFAULT_ADDRESS_FILE.exists() else None
         wrote_default = ours is not None and default_after == ours
