@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -49,21 +51,51 @@ def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0
 
 class DefaultModelCopy:
     """The default model's converted copy (`<cache_dir>/models`, gateway/engine/gguf_copy.py), made
-    once a session: the GGUF's conversion is ~45 s of a quiet machine's 2 cores, a load from the copy
-    ~3 s. A server on the default model gets `fresh(dir)`, a cache dir of its own (its KV entries
-    are its own) holding the copy once one was kept (hard links: nothing is copied); `keep(dir)`
-    after its server is ready keeps the copy it made, for the next."""
+    once a run: the GGUF's conversion is ~45 s of a quiet machine's 2 cores, a load from the copy
+    ~3 s. The first `fresh(dir)` converts it (in a process of its own, as a server's start would);
+    each server on the default model gets `fresh(dir)`, a cache dir of its own (its KV entries are
+    its own) holding the copy (hard links: nothing is copied). Under pytest-xdist the copy is the
+    run's, not a worker's: the first worker converts under a file lock, the others wait for it."""
 
     def __init__(self, root: Path) -> None:
-        self.models = root / "models"
+        self.models = _run_wide(root) / "models"
 
     def fresh(self, cache_dir: Path) -> Path:
+        self._make()
         cache_dir.mkdir(parents=True, exist_ok=True)
-        if self.models.is_dir():
-            shutil.copytree(self.models, cache_dir / "models", copy_function=os.link)
+        shutil.copytree(self.models, cache_dir / "models", copy_function=os.link)
         return cache_dir
 
     def keep(self, cache_dir: Path) -> None:
-        made = cache_dir / "models"
-        if not self.models.is_dir() and made.is_dir():
-            shutil.copytree(made, self.models, copy_function=os.link, ignore=shutil.ignore_patterns(".tmp-*"))
+        """Nothing left to keep: `fresh` made the copy before the first server started."""
+
+    def _make(self) -> None:
+        from filelock import FileLock
+
+        with FileLock(str(self.models.parent / "converting.lock")):
+            if self.models.is_dir():
+                return
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLKV_")}
+            made = self.models.parent / "converting"  # renamed whole: a failed conversion leaves no copy
+            shutil.rmtree(made, ignore_errors=True)
+            subprocess.run([sys.executable, "-c", _CONVERT, str(made)], env=env, check=True,
+                           cwd=Path(__file__).resolve().parents[2])
+            (made / "models").rename(self.models)
+
+
+_CONVERT = """import sys
+from gateway.engine.model_loader import load_model
+from gateway.settings import load_settings
+load_model(load_settings(overrides={"cache_dir": sys.argv[1]}, environ={}))
+"""
+
+
+def _run_wide(root: Path) -> Path:
+    """`root` (a folder of this process's temp dir), or under pytest-xdist a folder of the run's
+    temp dir, which holds each worker's (`<run>/<worker id>/<root>`)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and root.parent.name == worker:
+        shared = root.parent.parent / "default-model-copy"
+        shared.mkdir(exist_ok=True)
+        return shared
+    return root
