@@ -1,9 +1,14 @@
 """End to end: `toolkv serve` in its own process on the embedded SmolLM2 model, driven by the
-openai SDK. The second request with the same 20 tools is served from the cache, with the same
-text as a request that bypasses it."""
+openai SDK. The second request with the same 16 tools (tau-bench retail's, as `toolkv parity`
+sends them) is served from the cache, with the same text as a request that bypasses it.
+
+A full prefill of the real model (a miss or a bypass: ~3,000 tokens) is ~25 s of a quiet 2-core
+machine, a hit ~1 s: the module's tests share one group, compiled once (`retail`), and each
+property that needs a bypass compares against one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,12 +18,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.cli.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
 from tests.support.models import DefaultModelCopy
 from tests.support.server import free_port, wait_until_ready
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM = {"role": "system", "content": "You are the back-office assistant of an online shop."}
+SYSTEM = {"role": "system", "content": DEFAULT_SYSTEM}
 
 
 @pytest.fixture(scope="module")
@@ -48,35 +54,40 @@ def client(server_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tools20(merchant_tools):
-    return merchant_tools[:20]
+def tools():
+    return json.loads(DEFAULT_TOOLS_FILE.read_text())
 
 
-def ask(client: openai.OpenAI, tools, question: str, **extra):
+def ask(client: openai.OpenAI, tools, question: str, tool_choice="none", max_tokens=24, **extra):
     return client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[SYSTEM, {"role": "user", "content": question}],
-        tools=tools, tool_choice="none", temperature=0, max_tokens=24, **extra)
+        tools=tools, tool_choice=tool_choice, temperature=0, max_tokens=max_tokens, **extra)
 
 
-def test_second_request_hits_the_whole_prefix_with_bypass_identical_text(client, tools20, openai_schema):
-    first = ask(client, tools20, "What was our GMV last week?")
-    second = ask(client, tools20, "How many refunds were issued yesterday?")
-    plain = ask(client, tools20, "How many refunds were issued yesterday?",
+@pytest.fixture(scope="module")
+def first(client, tools):
+    """The group's first request (a miss: it compiles the system prompt and the 16 tools)."""
+    return ask(client, tools, "What was our GMV last week?")
+
+
+def test_second_request_hits_the_whole_prefix_with_bypass_identical_text(client, tools, first, openai_schema):
+    second = ask(client, tools, "How many refunds were issued yesterday?")
+    plain = ask(client, tools, "How many refunds were issued yesterday?",
                 extra_headers={"X-Toolkv-Cache": "bypass"})
     openai_schema("CreateChatCompletionResponse", second.model_dump(exclude_unset=True))
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached > 2000  # the system prompt and all 20 tool schemas
+    assert cached > 2000  # the system prompt and all 16 tool schemas
     assert second.usage.prompt_tokens - cached < 40  # only the user's turn was computed
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == plain.choices[0].message.content
     assert second.choices[0].message.content
 
 
-def test_streamed_hit_equals_the_non_streamed_hit(client, tools20, openai_schema):
+def test_streamed_hit_equals_the_non_streamed_hit(client, tools, first, openai_schema):
     question = "Which channel sold the most this month?"
-    whole = ask(client, tools20, question)
-    chunks = list(ask(client, tools20, question, stream=True, stream_options={"include_usage": True}))
+    whole = ask(client, tools, question)
+    chunks = list(ask(client, tools, question, stream=True, stream_options={"include_usage": True}))
     for chunk in chunks:
         openai_schema("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -88,52 +99,48 @@ def test_streamed_hit_equals_the_non_streamed_hit(client, tools20, openai_schema
     assert whole.usage.prompt_tokens_details.cached_tokens > 2000
 
 
-def test_the_parity_set_sent_at_once_equals_each_query_alone_without_the_cache(client):
+def test_the_parity_set_sent_at_once_equals_each_query_alone(client, tools, first):
     """Continuous batching on the real model: tau-bench retail's first parity queries sent 4 at a
-    time (hits, batched together) give exactly what each gives alone as a plain full prefill. (Each
-    alone is a full prefill of the 16 tools: 4 keep it short; 8 at once, of several archs, on tiny
-    models: tests/engine/test_batching.py.)"""
-    import json
+    time (hits, batched together) give exactly what each gives alone, and a hit gives what a plain
+    full prefill gives (one bypass: the module's others check the hit against a bypass with
+    tool_choice `none`, `required` and a structured answer on this group; 8 at once, of several
+    archs, on tiny models: tests/engine/test_batching.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway.cli.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
-
-    tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
-
     def run(query: str, **extra):
-        response = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", tools=tools, temperature=0, max_tokens=24,
-            messages=[{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": query}], **extra)
+        response = ask(client, tools, query, tool_choice="auto", **extra)
         choice = response.choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
         return choice.message.content, calls, choice.finish_reason, response.usage.prompt_tokens_details.cached_tokens
 
     queries = [q.query for q in RETAIL_QUERIES][:4]  # one batch of 4
-    run(queries[0])  # the group is compiled once, before the batch
     with ThreadPoolExecutor(max_workers=len(queries)) as pool:
         together = list(pool.map(run, queries))
     assert all(cached > 1000 for *_, cached in together)  # every one was a hit
     for query, batched in zip(queries, together, strict=True):
-        alone = run(query, extra_headers={"X-Toolkv-Cache": "bypass"})
-        assert batched[:3] == alone[:3], query
+        assert batched[:3] == run(query)[:3], query  # alone (a hit too)
+    plain = run(queries[0], extra_headers={"X-Toolkv-Cache": "bypass"})
+    assert plain[3] == 0 and plain[:3] == together[0][:3]
 
 
 def test_an_airline_agents_turns_compute_only_their_new_messages_with_bypass_identical_text(client):
     """A real tau-bench airline conversation's next turn (the agent's tool call and the tool's
     result added): the whole previous prompt is reused, and the answer equals a plain full
-    prefill's. (Every turn of it, on tiny models of three archs:
-    tests/engine/test_conversation_reuse.py.)"""
-    import json
-
+    prefill's. The agent's tools are the 6 of its 14 that the conversation calls (the other 8 are
+    ~1,300 more tokens in each of its two full prefills). (Every turn of it, with every tool, on
+    tiny models of three archs: tests/engine/test_conversation_reuse.py.)"""
     from tests.engine.test_conversation_reuse import TAU, tau_turns
 
-    tools = json.loads((TAU / "tools_airline.json").read_text())
+    turns = tau_turns()
+    called = {c["function"]["name"] for m in turns[-1] for c in m.get("tool_calls") or ()}
+    tools = [t for t in json.loads((TAU / "tools_airline.json").read_text()) if t["function"]["name"] in called]
+    assert len(tools) == 6
 
     def run(messages, **extra):
         return client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=tools,
                                               temperature=0, max_tokens=24, **extra)
 
-    first, second = tau_turns()[:2]
+    first, second = turns[:2]
     assert second[-2].get("tool_calls") and second[-1]["role"] == "tool"
     previous = run(first).usage.prompt_tokens
     reused, plain = run(second), run(second, extra_headers={"X-Toolkv-Cache": "bypass"})
@@ -142,23 +149,17 @@ def test_an_airline_agents_turns_compute_only_their_new_messages_with_bypass_ide
     assert reused.usage.prompt_tokens_details.cached_tokens == previous  # only the new messages computed
 
 
-def test_forced_and_structured_requests_are_always_valid_and_the_cache_never_changes_them(client, openai_schema):
+def test_forced_and_structured_requests_are_always_valid_and_the_cache_never_changes_them(client, tools, first,
+                                                                                          openai_schema):
     """Issue 14's target on the real model: every `required` and named request is a call to a listed
     tool whose arguments validate against its schema (before the grammar: about a third), streamed
     or not; every structured answer validates; a hit equals a bypass with the grammar on."""
-    import json
-
     import jsonschema
 
-    from gateway.cli.parity import DEFAULT_SYSTEM, DEFAULT_TOOLS_FILE, RETAIL_QUERIES
-
-    tools = json.loads(DEFAULT_TOOLS_FILE.read_text())
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
-    def run(query: str, **extra):
-        return client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", tools=tools, temperature=0, max_tokens=160,
-            messages=[{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": query}], **extra)
+    def run(query: str, tool_choice, **extra):
+        return ask(client, tools, query, tool_choice, max_tokens=160, **extra)
 
     def check(calls, names):
         assert calls
