@@ -1,5 +1,7 @@
-"""The `toolkv` command, run as a user runs it (its own process): every failure is one line on
-stderr naming the problem and a non-zero exit status, never a Python traceback."""
+"""The `toolkv` command: every failure is one line on stderr naming the problem and a non-zero
+exit status, never a Python traceback. Each kind of failure runs as a user runs it (its own
+process, ~4 s of imports each); the other bad tools files, which take the same way out of the
+same entry point, run through `main` in this process."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.cache_cli import cache_cli
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
@@ -24,11 +29,14 @@ def toolkv(*args: str, cwd: Path, timeout_s: float = TIMEOUT_S) -> subprocess.Co
                           capture_output=True, timeout=timeout_s)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *expected: str) -> str:
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkv: ")]
-    assert len(lines) == 1, result.stderr
+def assert_one_line_error(result: subprocess.CompletedProcess[str] | tuple[int, str, str], *expected: str) -> str:
+    """`result`: a process's, or (exit code, stdout, stderr) of `main` run in this process."""
+    code, stdout, stderr = (result.returncode, result.stdout, result.stderr) if isinstance(
+        result, subprocess.CompletedProcess) else result
+    assert code != 0, stdout
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("toolkv: ")]
+    assert len(lines) == 1, stderr
     assert all(part in lines[0] for part in expected), lines[0]
     return lines[0]
 
@@ -60,12 +68,21 @@ def warm(tmp_path: Path, tiny_model_dir: Callable[..., Path]) -> Callable[..., s
     return run
 
 
-def test_cache_warm_with_a_deeply_nested_schema_is_one_line_not_a_traceback(tmp_path: Path, warm: Any) -> None:
+@pytest.fixture
+def warm_here(tmp_path: Path, tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+              capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., tuple[int, str, str]]]:
+    """`toolkv cache warm FILE` through `main` in this process: (exit code, stdout, stderr)."""
+    with contextmanager(cache_cli)(tiny_model_dir(), monkeypatch, capsys) as run:
+        yield lambda path: run("warm", str(path), "--cache-dir", str(tmp_path / "cache"))
+
+
+def test_cache_warm_with_a_deeply_nested_schema_is_one_line_not_a_traceback(tmp_path: Path, warm: Any,
+                                                                           warm_here: Any) -> None:
     # Python's json gives up (RecursionError) near 1,000 levels; pydantic, orjson and the chat
     # template at other depths: the depth is measured before any of them sees the document.
     very_deep = json.dumps([tool(parameters={"default": "DEEP"})]).replace('"DEEP"', "[" * 5000 + "]" * 5000)
     assert_one_line_error(warm(tools_file(tmp_path, very_deep)), "nests deeper")
-    line = assert_one_line_error(warm(tools_file(tmp_path, [tool(parameters=nested(300))])), "nests deeper")
+    line = assert_one_line_error(warm_here(tools_file(tmp_path, [tool(parameters=nested(300))])), "nests deeper")
     assert "tools[0].function.parameters" in line
 
 
@@ -77,9 +94,9 @@ def test_cache_warm_with_a_deeply_nested_schema_is_one_line_not_a_traceback(tmp_
     (json.dumps({"tools": "not a list"}), "tools"),
 ])
 def test_cache_warm_with_a_bad_file_is_one_line_not_a_traceback(
-        tmp_path: Path, warm: Any, content: str | None, expected: str) -> None:
+        tmp_path: Path, warm_here: Any, content: str | None, expected: str) -> None:
     path = tools_file(tmp_path, content) if content is not None else tmp_path / "missing.json"
-    assert_one_line_error(warm(path), expected)
+    assert_one_line_error(warm_here(path), expected)
 
 
 def test_cache_warm_with_a_model_that_cannot_load_is_one_line_not_a_traceback(tmp_path: Path) -> None:
