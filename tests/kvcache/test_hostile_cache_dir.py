@@ -31,7 +31,7 @@ from tests.kvcache.test_restart import (
     gateway_process,
 )
 
-# The restart tests' module fixtures (a first run's cache dir and outputs), built once here too.
+# The restart tests' module fixtures (a first run's cache dir and outputs: one run per process).
 first_run, model_dir = test_restart.first_run, test_restart.model_dir
 
 

@@ -1,9 +1,10 @@
 """Real gateway processes on one cache dir: a restart serves the first request from disk with the
 same output; damaged files after a restart are recomputed and counted; the `toolkv cache` CLI
-works on the dir without a server, and a server process then hits what it warmed."""
+works on the dir without a server, and a server (in this process) then hits what it warmed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,8 +21,9 @@ import httpx
 import pytest
 
 from gateway.kvcache.disk_tier import DiskTier
+from gateway.settings import load_settings
 from tests.support.cache_cli import cache_cli
-from tests.support.server import free_port
+from tests.support.server import free_port, serve
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,8 +124,16 @@ def model_dir(tiny_model_dir: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def first_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
-    """One gateway that served one chat request per tool group (misses), then was stopped."""
-    work = tmp_path_factory.mktemp("first-run")
+    """One gateway that served one chat request per tool group (misses), then was stopped. Run
+    once per test process (a gateway process costs ~15 s): test_hostile_cache_dir.py uses it too,
+    and every user copies its cache dir before changing anything."""
+    return _first_run(model_dir, tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def _first_run(model_dir: Path, base_temp: Path) -> FirstRun:
+    work = base_temp / "first-run"
+    work.mkdir()
     with gateway_process(model_dir, work / "cache", work / "gateway.log") as gateway:
         completions = {group: gateway.chat(group) for group in GROUPS}
         listed = httpx.get(gateway.base_url + "/v1/cache").json()["data"]
@@ -218,9 +228,13 @@ def test_cli_warms_lists_and_removes_entries_without_a_server(
     code, out, _ = cli("ls", *at)  # tools in canonical order: largest schema first, then by name
     assert code == 0 and warmed["id"] in out and "cancel_order,refund_order" in out
 
-    with gateway_process(model_dir, cache_dir, tmp_path / "gateway.log") as gateway:
-        assert _cached_tokens(gateway.chat("intact")) == warmed["prefix_tokens"]
-        assert 'toolkv_cache_lookups_total{result="hit",tier="disk"} 1.0' in gateway.metrics()
+    # a server on the dir hits what the CLI warmed (in this process: the tests above cross processes)
+    settings = load_settings(overrides={"model": str(model_dir), "cache_dir": str(cache_dir), "min_prefix_tokens": 8},
+                             environ={})
+    with serve(settings) as live:
+        resp = httpx.post(live.base_url + "/v1/chat/completions", json=chat_body("intact"), timeout=120)
+        assert resp.status_code == 200 and _cached_tokens(resp.json()) == warmed["prefix_tokens"], resp.text
+        assert 'toolkv_cache_lookups_total{result="hit",tier="disk"} 1.0' in httpx.get(live.base_url + "/metrics").text
 
     assert cli("rm", "../" + warmed["id"], *at)[0] == 2
     assert cli("rm", warmed["id"], *at)[:2] == (0, f"removed {warmed['id']}\n")
