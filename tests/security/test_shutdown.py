@@ -9,11 +9,15 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.server import free_port, wait_until_ready
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,11 +58,24 @@ def test_sigterm_drains_a_stream_in_flight(tiny_model_dir, tmp_path):
             proc.wait()
 
 
-def test_a_request_cut_off_by_shutdown_gets_the_json_error_envelope(tiny_model_dir, tmp_path):
-    """Past the grace period (0 s here; uvicorn cancels what is left 5 s later) a running
-    non-stream request is answered with a 503 in the OpenAI envelope, not uvicorn's text/plain 500."""
-    port = free_port()
-    proc = start_server(tiny_model_dir("llama", context=32768), tmp_path, port, TOOLKV_SHUTDOWN_GRACE_S="0")
+@dataclass(frozen=True)
+class CutOff:
+    answer: httpx.Response  # the non-stream request's
+    stream_rest: list[str]  # the stream's `data:` lines after its first
+    exit_code: int
+
+
+def in_flight(base: str) -> float:
+    found = re.search(r"^toolkv_requests_in_flight (\S+)$", httpx.get(base + "/metrics").text, re.MULTILINE)
+    return float(found[1]) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def cut_off(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> CutOff:
+    """One server (grace period 1 s) with a non-stream request and a stream both still running when
+    the grace period ends: one server start for the two tests below, each checking its request."""
+    port, work = free_port(), tmp_path_factory.mktemp("cut-off")
+    proc = start_server(tiny_model_dir("llama", context=32768), work, port, TOOLKV_SHUTDOWN_GRACE_S="1")
     try:
         base = f"http://127.0.0.1:{port}"
         assert wait_until_ready(base)["status"] == "ok"
@@ -68,38 +85,35 @@ def test_a_request_cut_off_by_shutdown_gets_the_json_error_envelope(tiny_model_d
         request = threading.Thread(target=lambda: answers.append(
             httpx.post(base + "/v1/chat/completions", json=body, timeout=120)))
         request.start()
-        while not re.search(r"^toolkv_requests_in_flight 1\.0$", httpx.get(base + "/metrics").text, re.MULTILINE):
-            assert request.is_alive(), answers[0].text
-        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: in_flight(base) == 1 or not request.is_alive())
+        assert request.is_alive(), answers[0].text
+        rest = stream_then_sigterm(proc, base, max_tokens=32000)  # SIGTERM with both in flight
         request.join(timeout=60)
-        [resp] = answers
-        assert resp.status_code == 503, resp.text
-        assert resp.headers["content-type"] == "application/json"
-        error = resp.json()["error"]
-        assert (error["type"], error["code"]) == ("server_error", "shutting_down")
-        assert resp.headers["retry-after"] == "1"
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        [answer] = answers
+        return CutOff(answer, rest, proc.wait(timeout=60))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_then_its_end(tiny_model_dir,
-                                                                                            tmp_path):
+def test_a_request_cut_off_by_shutdown_gets_the_json_error_envelope(cut_off: CutOff) -> None:
+    """Past the grace period (uvicorn cancels what is left 5 s later) a running non-stream request
+    is answered with a 503 in the OpenAI envelope, not uvicorn's text/plain 500."""
+    resp = cut_off.answer
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["content-type"] == "application/json"
+    error = resp.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "shutting_down")
+    assert resp.headers["retry-after"] == "1"
+    assert cut_off.exit_code in (0, -signal.SIGTERM)
+
+
+def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_then_its_end(cut_off: CutOff) -> None:
     """Before, sse-starlette cancelled it at the grace's end: the client's stream stopped mid-answer,
     with no error and no [DONE] (curl: a partial transfer), logged as a client that hung up."""
-    port = free_port()
-    proc = start_server(tiny_model_dir("llama", context=32768), tmp_path, port, TOOLKV_SHUTDOWN_GRACE_S="1")
-    try:
-        base = f"http://127.0.0.1:{port}"
-        assert wait_until_ready(base)["status"] == "ok"
-        rest = stream_then_sigterm(proc, base, max_tokens=32000)
-        assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2].removeprefix("data: "))["error"]
-        assert (error["type"], error["code"]) == ("server_error", "shutting_down")
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    rest = cut_off.stream_rest
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert (error["type"], error["code"]) == ("server_error", "shutting_down")
+    assert cut_off.exit_code in (0, -signal.SIGTERM)
