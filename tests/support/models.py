@@ -25,9 +25,17 @@ def smollm_package_dir() -> Path:
 
 
 def save_tokenizer(target: Path) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(smollm_package_dir(), gguf_file=GGUF_NAME)
-    tokenizer.save_pretrained(target)
-    return target
+    """The SmolLM2 GGUF's tokenizer saved in `target` (read only by the tests), or under pytest-xdist
+    in the run's temp dir, once for all workers: its 49,152 tokens and 48,900 merges parsed from the
+    GGUF are ~10 s of a quiet core a time."""
+    from filelock import FileLock
+
+    shared = _run_wide(target, "tokenizer")
+    with FileLock(str(shared.parent / f"{shared.name}.lock")):
+        if not (shared / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(smollm_package_dir(), gguf_file=GGUF_NAME)
+            tokenizer.save_pretrained(shared)
+    return shared
 
 
 def build_tiny_model(arch: str, target: Path, tokenizer_dir: Path, seed: int = 0, context: int = 4096) -> Path:
@@ -58,7 +66,7 @@ class DefaultModelCopy:
     run's, not a worker's: the first worker converts under a file lock, the others wait for it."""
 
     def __init__(self, root: Path) -> None:
-        self.models = _run_wide(root) / "models"
+        self.models = _run_wide(root, "default-model-copy") / "models"
 
     def fresh(self, cache_dir: Path) -> Path:
         self._make()
@@ -90,12 +98,12 @@ load_model(load_settings(overrides={"cache_dir": sys.argv[1]}, environ={}))
 """
 
 
-def _run_wide(root: Path) -> Path:
-    """`root` (a folder of this process's temp dir), or under pytest-xdist a folder of the run's
-    temp dir, which holds each worker's (`<run>/<worker id>/<root>`)."""
+def _run_wide(root: Path, name: str) -> Path:
+    """`root` (a folder of this process's temp dir), or under pytest-xdist the folder `name` of the
+    run's temp dir, which holds each worker's (`<run>/popen-<worker id>/<root>`)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and root.parent.name == worker:
-        shared = root.parent.parent / "default-model-copy"
+    if worker and root.parent.name == f"popen-{worker}":
+        shared = root.parent.parent / name
         shared.mkdir(exist_ok=True)
         return shared
     return root
