@@ -89,6 +89,7 @@ class DefaultModelCopy:
             subprocess.run([sys.executable, "-c", _CONVERT, str(made)], env=env, check=True,
                            cwd=Path(__file__).resolve().parents[2])
             (made / "models").rename(self.models)
+            shutil.rmtree(made, ignore_errors=True)
 
 
 _CONVERT = """import sys
