@@ -83,13 +83,39 @@ _FAST_DIRS = {"adapters", "settings", "test_import_rules.py"}
 _BROWSER_FILES = {"test_dashboard_browser.py"}
 
 
+# Folders that run first. Ray forks its head processes from this process: while it is small (forked
+# late in a full run, after the fuzz and many models, fork failed with ENOMEM). And the longest
+# groups first, so that .ci/run's two pytest-xdist workers end together (Ray's and the end-to-end
+# file are each 5-8 minutes of the run; one picked up last would run alone at the end).
+_FIRST = ("serve_ray", "e2e")
+
+
+# Files that share a process-wide fixture, so one worker runs them: the kvcache files restart one
+# first-run gateway (test_restart.py's `_first_run`).
+_SHARED = {("kvcache", "test_restart.py"): "kvcache-first-run",
+           ("kvcache", "test_hostile_cache_dir.py"): "kvcache-first-run"}
+
+
+def _group(parts: tuple[str, ...]) -> str:
+    """The test's pytest-xdist group: one per file (its module fixtures are set up once), all of
+    tests/serve_ray in one (they share one Ray instance: its package fixtures), and `_SHARED`'s."""
+    if parts[0] == "serve_ray":
+        return "ray"
+    return _SHARED.get(parts, "/".join(parts))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).resolve().parent
-    # Ray forks its head processes from this one: run those tests first, while this process is small
-    # (forked late in a full run, after the fuzz and many models, fork failed with ENOMEM).
-    items.sort(key=lambda item: item.path.resolve().relative_to(root).parts[0] != "serve_ray")
+
+    def order(item: pytest.Item) -> int:
+        folder = item.path.resolve().relative_to(root).parts[0]
+        return _FIRST.index(folder) if folder in _FIRST else len(_FIRST)
+
+    items.sort(key=order)
     for item in items:
         parts = item.path.resolve().relative_to(root).parts
+        item.add_marker(pytest.mark.xdist_group(_group(parts)))
         if parts[0] not in _FAST_DIRS and item.get_closest_marker("model_free") is None:
             item.add_marker(pytest.mark.slow)
         if parts[0] == "serve_ray":
