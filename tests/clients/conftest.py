@@ -70,7 +70,6 @@ def default_server(tmp_path_factory: pytest.TempPathFactory, wire_log: WireLog,
     app = create_app(settings)
     app.add_middleware(SpecWire, log=wire_log)
     with serve_app(app) as server:
-        default_model_copy.keep(cache_dir)
         yield server
 
 

@@ -41,7 +41,6 @@ def server_url(tmp_path_factory: pytest.TempPathFactory, default_model_copy: Def
         base = f"http://127.0.0.1:{port}"
         status = wait_until_ready(base)
         assert status["status"] == "ok", log.read_text()[-3000:]
-        default_model_copy.keep(cache_dir)
         yield base + "/v1"
     finally:
         proc.terminate()

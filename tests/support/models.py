@@ -74,9 +74,6 @@ class DefaultModelCopy:
         shutil.copytree(self.models, cache_dir / "models", copy_function=os.link)
         return cache_dir
 
-    def keep(self, cache_dir: Path) -> None:
-        """Nothing left to keep: `fresh` made the copy before the first server started."""
-
     def _make(self) -> None:
         from filelock import FileLock
 
